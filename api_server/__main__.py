@@ -1,0 +1,75 @@
+"""``python -m api_server [tandem serve flags]``: the HTTP server of one process.
+
+It exits with ``EXIT_ENGINE_DIED`` a grace period after losing its engine, having
+answered in-flight requests with errors and new ones with 503 meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from api_server.app import CompletionService, create_app
+from api_server.client import EngineClient
+from common.config import TandemConfig, parse_config
+from common.logs import setup_logging
+from common.model_files import resolve_model_dir
+from common.process import EXIT_ENGINE_DIED, die_with_parent
+
+logger = logging.getLogger("api_server")
+
+
+async def serve(config: TandemConfig) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(config.model.model)))
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_engine_dead(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = EXIT_ENGINE_DIED
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        asyncio.get_running_loop().call_later(config.server.grace_period_s, stop)
+
+    client = EngineClient(config.addresses, on_dead=on_engine_dead)
+    await client.start()
+    app = create_app(CompletionService(config.served_model_name, tokenizer, client))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            access_log=config.server.log_level == "debug",
+            timeout_graceful_shutdown=3,
+        )
+    )
+    try:
+        await server.serve()
+    finally:
+        await client.close()
+    if not server.started:
+        return 1
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv, prog="python -m api_server")
+    setup_logging(config.server.log_level, "api_server")
+    if not (config.addresses.input_address and config.addresses.output_address):
+        logger.error("--input-address and --output-address are required")
+        return 2
+    die_with_parent()
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

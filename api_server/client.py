@@ -1,0 +1,164 @@
+"""The API server's async client of the engine core.
+
+One reader task receives everything the engine sends this process and fans request
+outputs out to per-request queues; heartbeats keep ``ready``, ``stats`` and ``model``
+fresh. All sends go through one sender task, so ``abort_nowait`` is safe to call from
+any ``finally`` (a cancelled stream included). The engine counts as dead after an
+``EngineDead`` message or when no heartbeat came for ``DEAD_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.config import EngineAddresses
+from common.ipc import Codec, make_socket
+from common.messages import (
+    AbortRequests,
+    ClientHello,
+    EngineDead,
+    EngineHeartbeat,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    FinishReason,
+    ModelInfo,
+    RequestOutput,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+DEAD_AFTER_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; the message says why."""
+
+
+class EngineClient:
+    def __init__(self, addresses: EngineAddresses, on_dead: Callable[[str], None] | None = None) -> None:
+        self.client_id = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self._addresses = addresses
+        self._on_dead = on_dead
+        self._codec: Codec[EngineOutput] = Codec(EngineOutput)
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._send_queue: asyncio.Queue[msgspec.Struct] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ready = False
+        self.stats = SchedulerStats()
+        self.model: ModelInfo | None = None
+        self.dead_reason: str | None = None
+        self._last_heartbeat: float | None = None
+        self.num_malformed_frames = 0
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._push = make_socket(self._ctx, zmq.PUSH, self._addresses.input_address, bind=False)
+        self._dealer = make_socket(
+            self._ctx, zmq.DEALER, self._addresses.output_address, bind=False, identity=self.client_id
+        )
+        await self._dealer.send(self._codec.encode(ClientHello(self.client_id)))  # type: ignore[misc]
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._send_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._push.close()
+        self._dealer.close()
+        self._ctx.term()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Send the request and yield its outputs until one carries a finish reason.
+        Leaving early (client gone, stop string hit) aborts it in the engine."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request.request_id] = outputs
+        finished = False
+        try:
+            self._send_queue.put_nowait(request)
+            while True:
+                out = await outputs.get()
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            del self._queues[request.request_id]
+            if not finished:
+                self.abort_nowait([request.request_id])
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Queue an abort; idempotent on the engine side."""
+        if self.dead_reason is None:
+            self._send_queue.put_nowait(AbortRequests(request_ids))
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _send_loop(self) -> None:
+        while True:
+            message = await self._send_queue.get()
+            await self._push.send(self._codec.encode(message))  # type: ignore[misc]
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._dealer.recv()  # type: ignore[misc]
+            try:
+                message = self._codec.decode(frame)
+            except msgspec.DecodeError as e:
+                self.num_malformed_frames += 1
+                logger.warning("dropped a malformed frame from the engine: %s", e)
+                continue
+            if isinstance(message, EngineOutputs):
+                if message.stats is not None:
+                    self.stats = message.stats
+                for out in message.outputs:
+                    target = self._queues.get(out.request_id)
+                    if target is not None:
+                        target.put_nowait(out)
+            elif isinstance(message, EngineHeartbeat):
+                self._last_heartbeat = time.monotonic()
+                self.ready = message.ready
+                self.stats = message.stats
+                self.model = message.model or self.model
+            elif isinstance(message, EngineDead):
+                self._mark_dead(f"engine core is down: {message.reason}")
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(DEAD_AFTER_S / 5)
+            last = self._last_heartbeat
+            if last is not None and time.monotonic() - last > DEAD_AFTER_S:
+                self._mark_dead(f"engine core stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s)")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("%s", reason)
+        self.dead_reason = reason
+        self.ready = False
+        for request_id, target in self._queues.items():
+            target.put_nowait(RequestOutput(request_id, [], FinishReason.ERROR, reason))
+        if self._on_dead is not None:
+            self._on_dead(reason)

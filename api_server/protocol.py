@@ -1,0 +1,110 @@
+"""OpenAI HTTP schemas (pydantic) and their translation into engine sampling params."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from common.messages import FinishReason, SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    # Unknown fields are refused, never silently ignored; NaN/Infinity are refused.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Strict):
+    model: str
+    prompt: str | TokenIds
+    max_tokens: int | None = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),  # -1 (vLLM) and 0 both mean off
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def validation_error_param(error: ValidationError) -> tuple[str, str | None]:
+    """A one-line message naming the offending field, and that field's name."""
+    first: Any = error.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list")))
+    if first.get("type") == "extra_forbidden":
+        return f"'{loc}' is not supported", loc or None
+    return f"'{loc or 'body'}': {first.get('msg', 'invalid value')}", loc or None
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    return None if reason is None else str(reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def now() -> int:
+    return int(time.time())
+
+
+ErrorType = Literal[
+    "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
+]
+
+
+def error_body(message: str, type_: ErrorType, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

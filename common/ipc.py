@@ -1,0 +1,65 @@
+"""Typed ZeroMQ sockets carrying the MessagePack structs of ``common/messages.py``.
+
+Sockets are not thread-safe: each one is created and used by a single thread. The
+engine binds, clients connect. Frames that fail to decode raise ``msgspec.DecodeError``
+for the caller to count and drop; they never crash a process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """Encodes any wire struct; decodes only ``T`` (a struct or a tagged union)."""
+
+    def __init__(self, decode_type: type[T] | object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)  # type: ignore[arg-type]
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        return self._decoder.decode(frame)
+
+
+def make_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]] | zmq.asyncio.Context,
+    kind: int,
+    address: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+) -> zmq.Socket[bytes]:
+    """A socket that never drops messages on a full queue and closes without lingering."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock  # type: ignore[return-value]
+
+
+def make_runtime_dir() -> str:
+    """A private (0700) directory for ``ipc://`` socket files."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    if not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="tandem-", dir=base)
+
+
+def ipc_address(runtime_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(runtime_dir, name + '.sock')}"

@@ -1,0 +1,223 @@
+"""Every type that crosses a process boundary, in one place.
+
+The life of a request, and the module that handles each step:
+
+1. ``api_server/app.py`` parses the HTTP body, tokenizes the prompt and sends an
+   ``EngineRequest`` over the engine's input socket (``api_server/client.py``).
+2. ``engine_core/core.py``'s input thread decodes it and queues it for the step loop;
+   the ``Scheduler`` (``engine_core/scheduler.py``) admits it when the token budget,
+   ``max_num_seqs`` and free KV blocks (``engine_core/kv_cache.py``) allow.
+3. Each step the scheduler emits a ``SchedulerOutput``: a ``NewRequestData`` the first
+   time a request is scheduled (or after it was preempted), then only a
+   ``CachedRequestData`` diff (new block ids, tokens computed so far), plus the ids of
+   finished requests so workers drop their state. ``engine_core/executor.py`` sends it
+   to every worker of the pool.
+4. ``worker/model_runner.py`` runs one batched forward over all scheduled tokens,
+   samples, and answers with a ``ModelRunnerOutput``.
+5. The scheduler appends sampled tokens, checks EOS / stop token ids / max_tokens /
+   max model length, frees the blocks of finished requests, and the engine's output
+   thread sends ``EngineOutputs`` (one ``RequestOutput`` per request that progressed)
+   to the API server that owns each request.
+6. ``api_server/detokenizer.py`` detokenizes incrementally and checks stop strings
+   (sending an ``AbortRequests`` when one hits); ``api_server/app.py`` writes SSE
+   chunks or the final JSON body.
+
+Wire rules: every struct is MessagePack, ``array_like`` (field order is the wire
+format), so fields are only ever appended, with defaults. A test pins the encoding.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire struct: positional MessagePack arrays, defaults omitted."""
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. ``str()`` gives the OpenAI ``finish_reason`` word."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the model's context length
+    ABORT = 2  # cancelled by the client or the API server
+    ERROR = 3  # the engine or a worker failed
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+class SamplingParams(_Wire):
+    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- api_server -> engine
+
+
+class EngineRequest(_Wire, tag=True):
+    """A tokenized request, sent once by the API server that owns it."""
+
+    request_id: str
+    client_id: bytes
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(_Wire, tag=True):
+    """Stop these requests and free their blocks. Unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+EngineInput = EngineRequest | AbortRequests
+
+
+# ---------------------------------------------------------------- engine -> api_server
+
+
+class RequestOutput(_Wire):
+    """New tokens of one request since its last output; ``finish_reason`` on the last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class SchedulerStats(_Wire):
+    """A snapshot of the scheduler, taken after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_in_use: int = 0
+    num_tokens_scheduled: int = 0
+    num_requests_total: int = 0
+    num_generated_tokens_total: int = 0
+
+
+class ModelInfo(_Wire):
+    """What a worker learned from the model files, for the engine and API servers."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class EngineOutputs(_Wire, tag=True):
+    """Outputs of one step for one API server, with the step's stats."""
+
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+
+
+class EngineHeartbeat(_Wire, tag=True):
+    """Sent to every known client a few times a second: proves the engine alive.
+
+    ``ready`` turns true once every worker has loaded the model and warmed up;
+    ``model`` carries what the workers found (context length, EOS ids, vocabulary).
+    """
+
+    ready: bool
+    stats: SchedulerStats
+    model: ModelInfo | None = None
+
+
+class EngineDead(_Wire, tag=True):
+    """The engine is going down; ``reason`` names the process that died."""
+
+    reason: str
+
+
+class ClientHello(_Wire, tag=True):
+    """First frame a client sends on the output socket so the engine can route to it."""
+
+    client_id: bytes
+
+
+EngineOutput = EngineOutputs | EngineHeartbeat | EngineDead
+
+
+# ---------------------------------------------------------------- engine <-> workers
+
+
+class WorkerReady(_Wire, tag=True):
+    """A worker's handshake: values found at run time, never written into configs."""
+
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    model: ModelInfo
+
+
+class NewRequestData(_Wire):
+    """Everything a worker needs the first time it sees a request (or after preemption).
+
+    ``token_ids`` holds the prompt and any tokens generated before a preemption.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(_Wire):
+    """The diff for a request the worker already holds."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(_Wire, tag=True):
+    """One step's work. ``num_scheduled_tokens`` keeps the batch order."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: list[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class ModelRunnerOutput(_Wire, tag=True):
+    """Sampled tokens for the requests whose scheduled tokens reached their end."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+
+
+class WorkerFailed(_Wire, tag=True):
+    """A worker could not run a step (or load); it exits after sending this."""
+
+    rank: int
+    error: str
+
+
+class Shutdown(_Wire, tag=True):
+    """Engine -> worker: exit cleanly."""
+
+
+WorkerInput = SchedulerOutput | Shutdown
+WorkerMessage = WorkerReady | ModelRunnerOutput | WorkerFailed

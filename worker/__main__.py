@@ -1,0 +1,3 @@
+from worker.worker import main
+
+main()

@@ -1,0 +1,141 @@
+"""Paged attention over the KV cache, for a batch mixing prefill chunks and decodes.
+
+KV cache of one layer: ``[2, num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_blocks * block_size``; token ``p`` of a request lives in slot
+``block_ids[p // block_size] * block_size + p % block_size``. The step's metadata is
+built once (``worker/model_runner.py``) and passed explicitly to every layer: no global
+attention context.
+
+CPU path: all decode tokens (one query each) attend in one batched SDPA call over
+their gathered, padded contexts; prefill chunks (a few per step) each take one SDPA
+call with a causal mask offset by the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens ``[token_start, token_end)`` of the batch: one request's chunk whose first
+    token sits at position ``context_start``; ``kv_slots`` covers positions ``[0, end)``."""
+
+    token_start: int
+    token_end: int
+    context_start: int
+    kv_slots: torch.Tensor  # [context_start + chunk_len]
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool; None = plain causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each one attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]: cache slot written by each token
+    decode_token_indices: torch.Tensor | None  # [num_decodes]
+    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_context]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    prefills: tuple[PrefillChunk, ...]
+
+
+def build_metadata(
+    block_tables: list[list[int]],
+    context_starts: list[int],
+    chunk_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for requests scheduled in batch order; request ``i`` computes
+    ``chunk_lens[i]`` tokens from position ``context_starts[i]``."""
+    slot_rows: list[torch.Tensor] = []
+    decode_rows: list[torch.Tensor] = []
+    decode_indices: list[int] = []
+    prefills: list[PrefillChunk] = []
+    token_start = 0
+    for blocks, start, length in zip(block_tables, context_starts, chunk_lens, strict=True):
+        end = start + length
+        slots = _slots_for(blocks, end, block_size)
+        slot_rows.append(slots[start:end])
+        if length == 1:
+            decode_indices.append(token_start)
+            decode_rows.append(slots)
+        else:
+            mask = None
+            if start > 0:
+                query_pos = torch.arange(start, end).unsqueeze(1)
+                mask = torch.arange(end).unsqueeze(0) <= query_pos
+            prefills.append(PrefillChunk(token_start, token_start + length, start, slots.to(device), _to(mask, device)))
+        token_start += length
+    slot_mapping = torch.cat(slot_rows).to(device)
+    if not decode_rows:
+        return AttentionMetadata(slot_mapping, None, None, None, tuple(prefills))
+    max_len = max(len(r) for r in decode_rows)
+    padded = torch.zeros(len(decode_rows), max_len, dtype=torch.long)
+    valid = torch.zeros(len(decode_rows), max_len, dtype=torch.bool)
+    for i, row in enumerate(decode_rows):
+        padded[i, : len(row)] = row
+        valid[i, : len(row)] = True
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        decode_token_indices=torch.tensor(decode_indices, dtype=torch.long, device=device),
+        decode_kv_slots=padded.to(device),
+        decode_mask=valid[:, None, None, :].to(device),
+        prefills=tuple(prefills),
+    )
+
+
+def _slots_for(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(block_ids, dtype=torch.long)
+    offsets = torch.arange(block_size, dtype=torch.long)
+    slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)
+    if slots.numel() < num_tokens:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
+    return slots[:num_tokens]
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns ``[num_tokens, heads, dim]``."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    if meta.decode_token_indices is not None:
+        assert meta.decode_kv_slots is not None  # built together
+        qd = q.index_select(0, meta.decode_token_indices).unsqueeze(2)  # [n, H, 1, D]
+        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [n, KVH, L, D]
+        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, meta.decode_token_indices, od.squeeze(2))
+    for chunk in meta.prefills:
+        qp = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
+        if chunk.context_start == 0:
+            kp, vp = k[chunk.token_start : chunk.token_end], v[chunk.token_start : chunk.token_end]
+        else:
+            kp, vp = k_cache[chunk.kv_slots], v_cache[chunk.kv_slots]
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp.transpose(0, 1),
+            vp.transpose(0, 1),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[chunk.token_start : chunk.token_end] = op.transpose(0, 1)
+    return out

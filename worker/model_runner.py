@@ -1,0 +1,167 @@
+"""The worker's per-step work: keep the persistent batch state, build input tensors,
+run one forward over every scheduled token, sample.
+
+State handed over by the engine: a ``NewRequestData`` gives a request's tokens and
+blocks once; afterwards ``CachedRequestData`` diffs extend its blocks. Tokens this
+runner samples are appended to its own copy of the request, so the engine never sends
+them back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.config import CacheConfig
+from common.messages import (
+    CachedRequestData,
+    ModelInfo,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+from worker.attention import build_metadata
+from worker.models.loader import load_model, read_hf_config
+from worker.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
+    """Context length, vocabulary and EOS ids from config.json / generation_config.json."""
+    config = read_hf_config(model_dir)
+    eos: object = config.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(str(eos))])
+    model_len = int(config.get("max_position_embeddings", 2048))
+    if max_model_len is not None:
+        if max_model_len > model_len:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {model_len}")
+        model_len = max_model_len
+    return ModelInfo(max_model_len=model_len, vocab_size=int(config["vocab_size"]), eos_token_ids=eos_ids)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        cache: CacheConfig,
+        max_model_len: int | None,
+    ) -> None:
+        self.device = device
+        self.block_size = cache.block_size
+        self.model = load_model(model_dir, dtype, device)
+        self.model_info = read_model_info(model_dir, max_model_len)
+        self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(cache.kv_cache_gb, dtype)
+        slots = self.num_kv_blocks * self.block_size
+        self.kv_caches = [
+            torch.zeros(self.model.kv_cache_shape(slots), dtype=dtype, device=device)  # type: ignore[operator]
+            for _ in range(self.model.num_layers)  # type: ignore[arg-type]
+        ]
+        self.requests: dict[str, RequestState] = {}
+        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_kv_blocks, self.block_size, dtype)
+
+    def _blocks_for_memory(self, gib: float, dtype: torch.dtype) -> int:
+        one_slot = 1
+        for dim in self.model.kv_cache_shape(1):  # type: ignore[operator]
+            one_slot *= dim
+        bytes_per_block = one_slot * self.model.num_layers * self.block_size * dtype.itemsize  # type: ignore[operator]
+        blocks = int(gib * (1 << 30)) // bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"--kv-cache-gb {gib} holds no KV block ({bytes_per_block} bytes each)")
+        return blocks
+
+    def warm_up(self) -> None:
+        """One forward through every code path (prefill and decode) before serving."""
+        params = SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0)
+        warm = NewRequestData("warmup", [0] * 4, params, [0], 0)
+        self.execute(SchedulerOutput(-2, [warm], [], {"warmup": 4}, []))
+        self.execute(SchedulerOutput(-1, [], [CachedRequestData("warmup", [], 4)], {"warmup": 1}, []))
+        self.requests.clear()
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(step)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        block_tables: list[list[int]] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        for request_id, num_tokens in step.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            block_tables.append(state.block_ids)
+            starts.append(start)
+            lengths.append(num_tokens)
+            if end == len(state.token_ids):  # caught up: the next token is due
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(request_id)
+        if not input_ids:
+            return ModelRunnerOutput(step.step_id, [], [])
+        meta = build_metadata(block_tables, starts, lengths, self.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        if not sample_rows:
+            return ModelRunnerOutput(step.step_id, [], [])
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # type: ignore[operator]
+        states = [self.requests[r] for r in sample_ids]
+        for state in states:
+            if state.generator is not None and state.sampling_params.seed is not None:
+                # Seed by (seed, position): a sample depends on neither the batch nor
+                # whether the request was preempted and recomputed.
+                position = len(state.token_ids)
+                state.generator.manual_seed((state.sampling_params.seed * 1_000_003 + position) % (1 << 63))
+        batch = SamplingBatch.build(
+            [s.sampling_params for s in states], [s.generator for s in states], self.device
+        )
+        sampled: list[int] = sample(logits, batch).tolist()
+        for state, token in zip(states, sampled, strict=True):
+            state.token_ids.append(token)
+        return ModelRunnerOutput(step.step_id, sample_ids, sampled)
+
+    def _update_states(self, step: SchedulerOutput) -> None:
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            seed = new.sampling_params.seed
+            generator = None if seed is None else torch.Generator(device=self.device)
+            self.requests[new.request_id] = RequestState(
+                token_ids=list(new.token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        for cached in step.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens

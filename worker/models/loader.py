@@ -1,0 +1,73 @@
+"""Load a Hugging Face directory (config.json + safetensors, single or sharded) into one
+of our model classes, checking every tensor's name and shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from worker.models.registry import model_class_for
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    with open(model_dir / "config.json") as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return sorted({model_dir / name for name in weight_map.values()})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model named by ``architectures`` and fill every parameter from disk.
+
+    Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
+    """
+    config = read_hf_config(model_dir)
+    with torch.device("meta"):  # no time spent on random init of weights we overwrite
+        model: nn.Module = model_class_for(config)(config)
+    model = model.to_empty(device=device).to(dtype)
+    expected = dict(model.named_parameters())
+    tied: dict[str, str] = getattr(model, "tied_weights", {})
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for path in safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    param = expected.get(name)
+                    if param is None:
+                        continue  # e.g. rotary inv_freq buffers saved by old exports
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"weight {name} in {path.name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                    loaded.add(name)
+        for name, source in tied.items():
+            if name not in loaded:
+                expected[name].data = expected[source].data  # one tensor, as in training
+                loaded.add(name)
+    missing = [n for n in expected if n not in loaded]
+    if missing:
+        shape = tuple(expected[missing[0]].shape)
+        raise ValueError(
+            f"weight {missing[0]} (expected shape {shape}) is missing from {model_dir}"
+            + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    return model.eval()

@@ -1,0 +1,22 @@
+"""Architecture name (``config.json`` ``architectures``) -> model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from worker.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class_for(hf_config: dict[str, Any]) -> type[nn.Module]:
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    supported = ", ".join(sorted(MODEL_REGISTRY))
+    raise ValueError(f"architectures {names} not supported; Tandem runs {supported}")
