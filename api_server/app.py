@@ -51,11 +51,19 @@ class ApiError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, headers=headers)
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), self.status, headers=headers
+        )
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Piece:
     text: str
     finish_reason: str | None
     num_completion_tokens: int
+    token_ids: list[int]
 
 
 class CompletionService:
@@ -88,7 +97,11 @@ class CompletionService:
             raise ApiError(400, "the prompt is empty", param="prompt")
         bad = next((t for t in ids if t >= info.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param="prompt")
+            raise ApiError(
+                400,
+                f"token id {bad} is outside the vocabulary (size {info.vocab_size})",
+                param="prompt",
+            )
         return ids
 
     @staticmethod
@@ -118,21 +131,23 @@ class CompletionService:
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
         matcher = StopStringMatcher(stops)
         num_tokens = 0
+        pending_ids: list[int] = []  # ids whose text is not complete yet
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
         async with aclosing(self.client.generate(request)) as outputs:
             async for out in outputs:
                 if out.finish_reason == FinishReason.ERROR:
                     raise EngineDeadError(out.error or "the engine failed this request")
                 num_tokens += len(out.new_token_ids)
+                pending_ids += out.new_token_ids
                 text = matcher.push(detok.push(out.new_token_ids))
-                if matcher.hit:
-                    yield Piece(text, "stop", num_tokens)
+                finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
+                if finish is not None and not matcher.hit:
+                    text += matcher.flush()
+                if text or finish is not None:
+                    yield Piece(text, finish, num_tokens, pending_ids)
+                    pending_ids = []
+                if finish is not None:
                     return
-                if out.finish_reason is not None:
-                    yield Piece(text + matcher.flush(), finish_reason_text(out.finish_reason), num_tokens)
-                    return
-                if text:
-                    yield Piece(text, None, num_tokens)
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -159,8 +174,14 @@ def create_app(service: CompletionService) -> Starlette:
             message, param = validation_error_param(e)
             raise ApiError(422, message, param=param) from None
         if req.model != service.served_model_name:
-            raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
-                           f"'{service.served_model_name}'", "not_found_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model '{req.model}' does not exist; this server serves "
+                f"'{service.served_model_name}'",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
         info = service.model_info()
         prompt_ids = service.tokenize(req.prompt, info)
         max_tokens = service.completion_budget(len(prompt_ids), req.max_tokens, info)
@@ -172,43 +193,76 @@ def create_app(service: CompletionService) -> Starlette:
             sampling_params=req.sampling_params(max_tokens),
             arrival_time=time.time(),
         )
-        logger.info("[%s] completion: %d prompt tokens, max_tokens=%d, stream=%s",
-                    request_id, len(prompt_ids), max_tokens, req.stream)
+        logger.info(
+            "[%s] completion: %d prompt tokens, max_tokens=%d, stream=%s",
+            request_id,
+            len(prompt_ids),
+            max_tokens,
+            req.stream,
+        )
         pieces = service.run(engine_request, req.stop_strings())
         created, model = now(), service.served_model_name
         headers = {"X-Request-Id": request_id}
         if req.stream:
             return StreamingResponse(
-                _stream(pieces, request_id, model, created, len(prompt_ids)),
+                _stream(pieces, request_id, model, created, len(prompt_ids), req.return_token_ids),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
-        text, finish, n = [], None, 0
+        text: list[str] = []
+        token_ids: list[int] = []
+        finish: str | None = None
+        n = 0
         try:
             async with aclosing(pieces):
                 async for piece in pieces:
                     text.append(piece.text)
+                    token_ids += piece.token_ids
                     finish, n = piece.finish_reason, piece.num_completion_tokens
         except EngineDeadError as e:
             raise ApiError(503, str(e), "server_error") from None
         logger.info("[%s] finished (%s) with %d tokens", request_id, finish, n)
-        return JSONResponse(
-            {**completion_chunk(request_id, model, created, "".join(text), finish), "usage": usage(len(prompt_ids), n)},
-            headers=headers,
+        body = completion_chunk(
+            request_id,
+            model,
+            created,
+            "".join(text),
+            finish,
+            usage(len(prompt_ids), n),
+            token_ids if req.return_token_ids else None,
         )
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return JSONResponse(body, headers=headers)
 
     async def _stream(
-        pieces: AsyncIterator[Piece], request_id: str, model: str, created: int, num_prompt: int
+        pieces: AsyncIterator[Piece],
+        request_id: str,
+        model: str,
+        created: int,
+        num_prompt: int,
+        with_ids: bool,
     ) -> AsyncIterator[str]:
         try:
             async with aclosing(pieces):
                 async for piece in pieces:
-                    last_usage = usage(num_prompt, piece.num_completion_tokens) if piece.finish_reason else None
-                    chunk = completion_chunk(request_id, model, created, piece.text, piece.finish_reason, last_usage)
+                    last_usage = (
+                        usage(num_prompt, piece.num_completion_tokens)
+                        if piece.finish_reason
+                        else None
+                    )
+                    ids = piece.token_ids if with_ids else None
+                    chunk = completion_chunk(
+                        request_id, model, created, piece.text, piece.finish_reason, last_usage, ids
+                    )
                     yield _sse(chunk)
                     if piece.finish_reason:
-                        logger.info("[%s] finished (%s) with %d tokens", request_id, piece.finish_reason,
-                                    piece.num_completion_tokens)
+                        logger.info(
+                            "[%s] finished (%s) with %d tokens",
+                            request_id,
+                            piece.finish_reason,
+                            piece.num_completion_tokens,
+                        )
         except EngineDeadError as e:
             logger.error("[%s] failed: %s", request_id, e)
             yield _sse(error_body(str(e), "server_error"))
@@ -217,8 +271,12 @@ def create_app(service: CompletionService) -> Starlette:
     async def models(request: Request) -> Response:
         created = now()
         info = service.client.model
-        card: dict[str, Any] = {"id": service.served_model_name, "object": "model", "created": created,
-                                "owned_by": "tandem"}
+        card: dict[str, Any] = {
+            "id": service.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tandem",
+        }
         if info is not None:
             card["max_model_len"] = info.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
@@ -226,7 +284,9 @@ def create_app(service: CompletionService) -> Starlette:
     async def health(request: Request) -> Response:
         client = service.client
         if client.is_dead:
-            return JSONResponse({"status": "dead", "model_loaded": False, "reason": client.dead_reason}, 503)
+            return JSONResponse(
+                {"status": "dead", "model_loaded": False, "reason": client.dead_reason}, 503
+            )
         if not client.ready:
             return JSONResponse({"status": "loading", "model_loaded": False}, 503)
         return JSONResponse({"status": "ok", "model_loaded": True})
@@ -252,11 +312,17 @@ def create_app(service: CompletionService) -> Starlette:
         return exc.response()
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"), 404)
+        return JSONResponse(
+            error_body(f"no route {request.method} {request.url.path}", "not_found_error"), 404
+        )
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
-                                       "invalid_request_error"), 405)
+        return JSONResponse(
+            error_body(
+                f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"
+            ),
+            405,
+        )
 
     return Starlette(
         routes=[

@@ -46,7 +46,9 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, addresses: EngineAddresses, on_dead: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, addresses: EngineAddresses, on_dead: Callable[[str], None] | None = None
+    ) -> None:
         self.client_id = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self._addresses = addresses
         self._on_dead = on_dead
@@ -65,7 +67,11 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._push = make_socket(self._ctx, zmq.PUSH, self._addresses.input_address, bind=False)
         self._dealer = make_socket(
-            self._ctx, zmq.DEALER, self._addresses.output_address, bind=False, identity=self.client_id
+            self._ctx,
+            zmq.DEALER,
+            self._addresses.output_address,
+            bind=False,
+            identity=self.client_id,
         )
         await self._dealer.send(self._codec.encode(ClientHello(self.client_id)))  # type: ignore[misc]
         self._tasks = [
@@ -150,7 +156,9 @@ class EngineClient:
             await asyncio.sleep(DEAD_AFTER_S / 5)
             last = self._last_heartbeat
             if last is not None and time.monotonic() - last > DEAD_AFTER_S:
-                self._mark_dead(f"engine core stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s)")
+                self._mark_dead(
+                    f"engine core stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s)"
+                )
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -38,6 +38,8 @@ class CompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: output (and prompt) token ids in the response.
+    return_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -59,7 +61,9 @@ class CompletionRequest(_Strict):
 def validation_error_param(error: ValidationError) -> tuple[str, str | None]:
     """A one-line message naming the offending field, and that field's name."""
     first: Any = error.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list")))
+    loc = ".".join(
+        str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list"))
+    )
     if first.get("type") == "extra_forbidden":
         return f"'{loc}' is not supported", loc or None
     return f"'{loc or 'body'}': {first.get('msg', 'invalid value')}", loc or None
@@ -84,13 +88,22 @@ def completion_chunk(
     text: str,
     finish_reason: str | None,
     usage_: dict[str, int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [choice],
     }
     if usage_ is not None:
         body["usage"] = usage_
@@ -102,9 +115,15 @@ def now() -> int:
 
 
 ErrorType = Literal[
-    "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
+    "invalid_request_error",
+    "authentication_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
 ]
 
 
-def error_body(message: str, type_: ErrorType, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: ErrorType, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -52,7 +52,10 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests, benchmarks)
 
     def __post_init__(self) -> None:
-        _require(1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}")
+        _require(
+            1 <= self.block_size <= 1024,
+            f"--block-size must be in [1, 1024], got {self.block_size}",
+        )
         _require(self.kv_cache_gb > 0, f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
         _require(
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
@@ -68,7 +71,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"
+        )
         _require(
             self.max_num_batched_tokens >= 1,
             f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}",
@@ -135,7 +140,9 @@ class TandemConfig:
         values = vars(args)
 
         def build(cls: Any) -> Any:
-            return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+            return cls(
+                **{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+            )
 
         return TandemConfig(
             model=build(ModelConfig),
@@ -194,16 +201,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="context length in tokens (prompt + output); default: the model's own",
     )
     c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=d.cache.block_size, help="tokens per KV block (default: %(default)s)")
     c.add_argument(
-        "--kv-cache-gb", type=float, default=d.cache.kv_cache_gb, help="memory for KV blocks in GiB (default: %(default)s)"
+        "--block-size",
+        type=int,
+        default=d.cache.block_size,
+        help="tokens per KV block (default: %(default)s)",
     )
     c.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks, overriding --kv-cache-gb"
+        "--kv-cache-gb",
+        type=float,
+        default=d.cache.kv_cache_gb,
+        help="memory for KV blocks in GiB (default: %(default)s)",
+    )
+    c.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact number of KV blocks, overriding --kv-cache-gb",
     )
     s = parser.add_argument_group("scheduler")
     s.add_argument(
-        "--max-num-seqs", type=int, default=d.scheduler.max_num_seqs, help="most requests in one step (default: %(default)s)"
+        "--max-num-seqs",
+        type=int,
+        default=d.scheduler.max_num_seqs,
+        help="most requests in one step (default: %(default)s)",
     )
     s.add_argument(
         "--max-num-batched-tokens",
@@ -212,18 +233,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
     )
     h = parser.add_argument_group("server")
-    h.add_argument("--host", default=d.server.host, help="address the HTTP server binds (default: %(default)s)")
-    h.add_argument("--port", type=int, default=d.server.port, help="HTTP port (default: %(default)s)")
+    h.add_argument(
+        "--host", default=d.server.host, help="address the HTTP server binds (default: %(default)s)"
+    )
+    h.add_argument(
+        "--port", type=int, default=d.server.port, help="HTTP port (default: %(default)s)"
+    )
     h.add_argument(
         "--grace-period-s",
         type=float,
         default=d.server.grace_period_s,
         help="after a process dies, seconds to answer errors before the service exits (default: %(default)s)",
     )
-    h.add_argument("--log-level", default=d.server.log_level, help="debug, info, warning or error (default: %(default)s)")
+    h.add_argument(
+        "--log-level",
+        default=d.server.log_level,
+        help="debug, info, warning or error (default: %(default)s)",
+    )
     a = parser.add_argument_group("engine sockets (set by `tandem serve`; for containers)")
-    a.add_argument("--input-address", default="", help="ZeroMQ address of the engine's request socket")
-    a.add_argument("--output-address", default="", help="ZeroMQ address of the engine's output socket")
+    a.add_argument(
+        "--input-address", default="", help="ZeroMQ address of the engine's request socket"
+    )
+    a.add_argument(
+        "--output-address", default="", help="ZeroMQ address of the engine's output socket"
+    )
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "tandem serve") -> TandemConfig:

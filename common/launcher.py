@@ -19,7 +19,13 @@ from types import FrameType
 from common.config import EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
 from common.model_files import resolve_model_dir
-from common.process import EXIT_ENGINE_DIED, EXIT_WORKER_DIED, small_thread_env, start_module, stop_process
+from common.process import (
+    EXIT_ENGINE_DIED,
+    EXIT_WORKER_DIED,
+    small_thread_env,
+    start_module,
+    stop_process,
+)
 
 logger = logging.getLogger("tandem")
 
@@ -61,7 +67,11 @@ def serve(config: TandemConfig) -> int:
         children.append(("api_server", start_module("api_server", args, env=small_thread_env())))
         logger.info(
             "serving %s on http://%s:%d (engine pid %d, api pid %d)",
-            served_name, config.server.host, config.server.port, children[0][1].pid, children[1][1].pid,
+            served_name,
+            config.server.host,
+            config.server.port,
+            children[0][1].pid,
+            children[1][1].pid,
         )
         while True:
             for name, proc in children:
@@ -80,7 +90,10 @@ def serve(config: TandemConfig) -> int:
 
 
 def _after_death(
-    name: str, proc: subprocess.Popen[bytes], children: list[tuple[str, subprocess.Popen[bytes]]], grace_s: float
+    name: str,
+    proc: subprocess.Popen[bytes],
+    children: list[tuple[str, subprocess.Popen[bytes]]],
+    grace_s: float,
 ) -> int:
     message = _describe(name, proc)
     logger.error("%s; stopping the service in %.1f s", message, grace_s)

@@ -32,6 +32,7 @@ import enum
 
 import msgspec
 
+
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Base of every wire struct: positional MessagePack arrays, defaults omitted."""
 

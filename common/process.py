@@ -25,7 +25,9 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-def start_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_module(
+    module: str, args: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """``python -m module args``: the same command a container would run."""
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
 

@@ -56,8 +56,12 @@ class EngineCore:
         input_sock = make_socket(self._ctx, zmq.PULL, config.addresses.input_address, bind=True)
         output_sock = make_socket(self._ctx, zmq.ROUTER, config.addresses.output_address, bind=True)
         self._threads = [
-            threading.Thread(target=self._input_loop, args=(input_sock,), name="engine-input", daemon=True),
-            threading.Thread(target=self._output_loop, args=(output_sock,), name="engine-output", daemon=True),
+            threading.Thread(
+                target=self._input_loop, args=(input_sock,), name="engine-input", daemon=True
+            ),
+            threading.Thread(
+                target=self._output_loop, args=(output_sock,), name="engine-output", daemon=True
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -74,7 +78,9 @@ class EngineCore:
         self._model = ready.model
         self._stats = self.scheduler.stats()
         self._ready = True
-        logger.info("engine ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size
+        )
         while not self._stop.is_set():
             self._apply_inputs(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
@@ -96,7 +102,11 @@ class EngineCore:
             return
         while True:
             if isinstance(message, EngineRequest):
-                logger.debug("[%s] received, %d prompt tokens", message.request_id, len(message.prompt_token_ids))
+                logger.debug(
+                    "[%s] received, %d prompt tokens",
+                    message.request_id,
+                    len(message.prompt_token_ids),
+                )
                 error = self.scheduler.add_request(Request.from_engine_request(message))
                 if error is not None:
                     self._emit({message.client_id: [error]})
@@ -145,7 +155,9 @@ class EngineCore:
                 self._inputs.put(codec.decode(frame))
             except msgspec.DecodeError as e:
                 self.num_malformed_frames += 1
-                logger.warning("dropped a malformed input frame (%d so far): %s", self.num_malformed_frames, e)
+                logger.warning(
+                    "dropped a malformed input frame (%d so far): %s", self.num_malformed_frames, e
+                )
         sock.close()
 
     def _output_loop(self, sock: zmq.Socket[bytes]) -> None:

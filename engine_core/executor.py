@@ -8,6 +8,7 @@ raises ``WorkerDied`` naming it, within ``_POLL_S`` of its death.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import time
@@ -36,7 +37,9 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, name: str, config: TandemConfig, runtime_dir: str, num_workers: int = 1) -> None:
+    def __init__(
+        self, name: str, config: TandemConfig, runtime_dir: str, num_workers: int = 1
+    ) -> None:
         self.name = name
         self._ctx = zmq.Context()
         self._address = ipc_address(runtime_dir, f"pool-{name}")
@@ -56,7 +59,9 @@ class WorkerPool:
         while len(readies) < len(self._procs):
             identity, message = self._recv()
             if not isinstance(message, WorkerReady):
-                raise WorkerDied(f"{identity.decode()} sent {type(message).__name__} before it was ready")
+                raise WorkerDied(
+                    f"{identity.decode()} sent {type(message).__name__} before it was ready"
+                )
             readies[identity] = message
         return min(readies.values(), key=lambda r: r.num_kv_blocks)
 
@@ -77,7 +82,9 @@ class WorkerPool:
         for identity, proc in self._procs.items():
             code = proc.poll()
             if code is not None:
-                raise WorkerDied(f"{identity.decode()} (pid {proc.pid}) died: {_describe_exit(code)}")
+                raise WorkerDied(
+                    f"{identity.decode()} (pid {proc.pid}) died: {_describe_exit(code)}"
+                )
 
     def _recv(self) -> tuple[bytes, WorkerMessage]:
         while not self._sock.poll(int(_POLL_S * 1000)):
@@ -91,10 +98,10 @@ class WorkerPool:
     def shutdown(self) -> None:
         for identity, proc in self._procs.items():
             if proc.poll() is None:
-                try:
-                    self._sock.send_multipart([identity, self._codec.encode(Shutdown())], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(
+                        [identity, self._codec.encode(Shutdown())], zmq.NOBLOCK
+                    )
         deadline = time.monotonic() + 5.0
         for proc in self._procs.values():
             try:

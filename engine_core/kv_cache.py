@@ -13,7 +13,9 @@ from collections import deque
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of one token, got {num_blocks} x {block_size}")
+            raise ValueError(
+                f"need at least one block of one token, got {num_blocks} x {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_queue: deque[int] = deque(range(num_blocks))
@@ -49,7 +51,9 @@ class KVCacheManager:
         """Grow the request's blocks to hold ``num_total_tokens``; returns the new ids."""
         needed = self.num_new_blocks_needed(request_id, num_total_tokens)
         if needed > len(self.free_queue):
-            raise RuntimeError(f"allocate({request_id}) needs {needed} blocks, {len(self.free_queue)} free")
+            raise RuntimeError(
+                f"allocate({request_id}) needs {needed} blocks, {len(self.free_queue)} free"
+            )
         new_blocks = [self.free_queue.popleft() for _ in range(needed)]
         for block in new_blocks:
             self.ref_counts[block] += 1

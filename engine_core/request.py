@@ -40,7 +40,14 @@ class Request:
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:
-        return Request(r.request_id, r.client_id, r.prompt_token_ids, r.sampling_params, r.arrival_time, r.priority)
+        return Request(
+            r.request_id,
+            r.client_id,
+            r.prompt_token_ids,
+            r.sampling_params,
+            r.arrival_time,
+            r.priority,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -69,7 +69,9 @@ class Scheduler:
         if request.num_prompt_tokens >= limit:
             return f"the prompt has {request.num_prompt_tokens} tokens; this model's context is {limit} tokens"
         if self.kv.num_blocks_for(min(limit, request.num_prompt_tokens + 1)) > self.kv.num_blocks:
-            return f"the prompt needs more KV blocks than the whole cache holds ({self.kv.num_blocks})"
+            return (
+                f"the prompt needs more KV blocks than the whole cache holds ({self.kv.num_blocks})"
+            )
         return None
 
     def has_work(self) -> bool:
@@ -97,12 +99,19 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break  # the request itself was the only victim left
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
-            cached_data.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            cached_data.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            )
             num_scheduled[request.request_id] = n
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             n = min(request.num_tokens_to_compute, budget)
             if not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
@@ -180,7 +189,9 @@ class Scheduler:
             if request is None:
                 continue
             self._finish(request, FinishReason.ABORT)
-            outputs.setdefault(request.client_id, []).append(RequestOutput(request_id, [], FinishReason.ABORT))
+            outputs.setdefault(request.client_id, []).append(
+                RequestOutput(request_id, [], FinishReason.ABORT)
+            )
         return outputs
 
     def fail_all(self, error: str) -> ClientOutputs:

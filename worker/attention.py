@@ -68,7 +68,11 @@ def build_metadata(
             if start > 0:
                 query_pos = torch.arange(start, end).unsqueeze(1)
                 mask = torch.arange(end).unsqueeze(0) <= query_pos
-            prefills.append(PrefillChunk(token_start, token_start + length, start, slots.to(device), _to(mask, device)))
+            prefills.append(
+                PrefillChunk(
+                    token_start, token_start + length, start, slots.to(device), _to(mask, device)
+                )
+            )
         token_start += length
     slot_mapping = torch.cat(slot_rows).to(device)
     if not decode_rows:
@@ -120,7 +124,9 @@ def paged_attention(
         qd = q.index_select(0, meta.decode_token_indices).unsqueeze(2)  # [n, H, 1, D]
         kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [n, KVH, L, D]
         vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )
         out.index_copy_(0, meta.decode_token_indices, od.squeeze(2))
     for chunk in meta.prefills:
         qp = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]

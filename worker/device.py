@@ -27,7 +27,9 @@ def cpu_has_fast_bf16() -> bool:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on CUDA or where the CPU has AVX512-BF16/AMX, else float32."""
     if name != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            name
+        ]
     if device.type == "cuda":
         chosen, why = torch.bfloat16, "CUDA device"
     elif cpu_has_fast_bf16():

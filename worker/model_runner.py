@@ -49,13 +49,19 @@ def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
     if gen_path.is_file():
         with open(gen_path) as f:
             eos = json.load(f).get("eos_token_id", eos)
-    eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(str(eos))])
+    eos_ids = (
+        [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(str(eos))])
+    )
     model_len = int(config.get("max_position_embeddings", 2048))
     if max_model_len is not None:
         if max_model_len > model_len:
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {model_len}")
+            raise ValueError(
+                f"--max-model-len {max_model_len} exceeds the model's context of {model_len}"
+            )
         model_len = max_model_len
-    return ModelInfo(max_model_len=model_len, vocab_size=int(config["vocab_size"]), eos_token_ids=eos_ids)
+    return ModelInfo(
+        max_model_len=model_len, vocab_size=int(config["vocab_size"]), eos_token_ids=eos_ids
+    )
 
 
 class ModelRunner:
@@ -71,14 +77,18 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.model = load_model(model_dir, dtype, device)
         self.model_info = read_model_info(model_dir, max_model_len)
-        self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(cache.kv_cache_gb, dtype)
+        self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
+            cache.kv_cache_gb, dtype
+        )
         slots = self.num_kv_blocks * self.block_size
         self.kv_caches = [
             torch.zeros(self.model.kv_cache_shape(slots), dtype=dtype, device=device)  # type: ignore[operator]
             for _ in range(self.model.num_layers)  # type: ignore[arg-type]
         ]
         self.requests: dict[str, RequestState] = {}
-        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_kv_blocks, self.block_size, dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%s)", self.num_kv_blocks, self.block_size, dtype
+        )
 
     def _blocks_for_memory(self, gib: float, dtype: torch.dtype) -> int:
         one_slot = 1
@@ -87,7 +97,9 @@ class ModelRunner:
         bytes_per_block = one_slot * self.model.num_layers * self.block_size * dtype.itemsize  # type: ignore[operator]
         blocks = int(gib * (1 << 30)) // bytes_per_block
         if blocks < 1:
-            raise ValueError(f"--kv-cache-gb {gib} holds no KV block ({bytes_per_block} bytes each)")
+            raise ValueError(
+                f"--kv-cache-gb {gib} holds no KV block ({bytes_per_block} bytes each)"
+            )
         return blocks
 
     def warm_up(self) -> None:
@@ -95,7 +107,9 @@ class ModelRunner:
         params = SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0)
         warm = NewRequestData("warmup", [0] * 4, params, [0], 0)
         self.execute(SchedulerOutput(-2, [warm], [], {"warmup": 4}, []))
-        self.execute(SchedulerOutput(-1, [], [CachedRequestData("warmup", [], 4)], {"warmup": 1}, []))
+        self.execute(
+            SchedulerOutput(-1, [], [CachedRequestData("warmup", [], 4)], {"warmup": 1}, [])
+        )
         self.requests.clear()
 
     @torch.inference_mode()
@@ -139,7 +153,9 @@ class ModelRunner:
                 # Seed by (seed, position): a sample depends on neither the batch nor
                 # whether the request was preempted and recomputed.
                 position = len(state.token_ids)
-                state.generator.manual_seed((state.sampling_params.seed * 1_000_003 + position) % (1 << 63))
+                state.generator.manual_seed(
+                    (state.sampling_params.seed * 1_000_003 + position) % (1 << 63)
+                )
         batch = SamplingBatch.build(
             [s.sampling_params for s in states], [s.generator for s in states], self.device
         )

@@ -31,7 +31,9 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperature=torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=device
+            ),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=tuple(generators),
@@ -57,7 +59,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(greedy, greedy_ids, sampled)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and outside its top-p nucleus."""
     if bool((top_k == 0).all()) and bool((top_p >= 1.0).all()):
         return logits

@@ -26,7 +26,9 @@ def run_worker(config: TandemConfig, rank: int, engine_address: str) -> int:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, engine_address, bind=False, identity=f"worker-{rank}".encode())
+    sock = make_socket(
+        ctx, zmq.DEALER, engine_address, bind=False, identity=f"worker-{rank}".encode()
+    )
     codec: Codec[WorkerInput] = Codec(WorkerInput)
     try:
         import torch
@@ -37,11 +39,21 @@ def run_worker(config: TandemConfig, rank: int, engine_address: str) -> int:
         device = pick_device()
         dtype = resolve_dtype(config.model.dtype, device)
         runner = ModelRunner(
-            resolve_model_dir(config.model.model), dtype, device, config.cache, config.model.max_model_len
+            resolve_model_dir(config.model.model),
+            dtype,
+            device,
+            config.cache,
+            config.model.max_model_len,
         )
         runner.warm_up()
-        logger.info("worker %d ready on %s (%d torch threads)", rank, device, torch.get_num_threads())
-        sock.send(codec.encode(WorkerReady(rank, runner.num_kv_blocks, runner.block_size, runner.model_info)))
+        logger.info(
+            "worker %d ready on %s (%d torch threads)", rank, device, torch.get_num_threads()
+        )
+        sock.send(
+            codec.encode(
+                WorkerReady(rank, runner.num_kv_blocks, runner.block_size, runner.model_info)
+            )
+        )
         while True:
             message = codec.decode(sock.recv())
             if isinstance(message, Shutdown):
@@ -65,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m worker")
     add_cli_args(parser)
     parser.add_argument("--rank", type=int, default=0, help="rank of this worker in its pool")
-    parser.add_argument("--worker-address", required=True, help="the engine's ZeroMQ address for this pool")
+    parser.add_argument(
+        "--worker-address", required=True, help="the engine's ZeroMQ address for this pool"
+    )
     args = parser.parse_args(argv)
     config = TandemConfig.from_cli_args(args)
     setup_logging(config.server.log_level, f"worker-{args.rank}")

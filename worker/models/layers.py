@@ -31,11 +31,16 @@ class RotaryEmbedding(nn.Module):
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+            exponents = (
+                torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+                / self.head_dim
+            )
             self._inv_freq = 1.0 / (self.base**exponents)
         return self._inv_freq
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

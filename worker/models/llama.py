@@ -121,7 +121,9 @@ class LlamaForCausalLM(nn.Module):
     @property
     def tied_weights(self) -> dict[str, str]:
         """Parameters that are the same tensor as another, absent from the checkpoint."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
+        return (
+            {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
+        )
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """Shape of one layer's cache."""

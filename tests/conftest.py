@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.model_files import resolve_model_dir
+from tests.stack import TandemStack
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model, converted once into the cache."""
+    return resolve_model_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir: Path) -> Iterator[TandemStack]:
+    """One float32 stack shared by the tests that only send requests."""
+    with TandemStack("--dtype", "float32", "--max-num-seqs", "32") as stack:
+        yield stack

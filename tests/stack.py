@@ -1,0 +1,121 @@
+"""Start the real Tandem stack (launcher -> engine_core -> worker, api_server) on a free
+loopback port, and tear it down leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TandemStack:
+    """``tandem serve`` as a user runs it. ``start()`` waits for ``/health`` 200."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.args = ["--port", str(self.port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(tempfile.mkstemp(prefix="tandem-stack-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._descendants: list[psutil.Process] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait: bool = True) -> TandemStack:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "common.cli", "serve", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._descendants = self.descendants()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"tandem not healthy after {timeout_s} s:\n{self.log()}")
+
+    def descendants(self) -> list[psutil.Process]:
+        assert self.proc is not None
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def process_named(self, module: str) -> psutil.Process:
+        """The child started as ``python -m <module>``."""
+        for p in self.descendants():
+            cmdline = p.cmdline()
+            if "-m" in cmdline and cmdline[cmdline.index("-m") + 1] == module:
+                return p
+        raise LookupError(f"no {module} process among {[p.cmdline() for p in self.descendants()]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the launcher, wait for it, and check that every process it started is
+        gone. Returns the launcher's exit code."""
+        assert self.proc is not None
+        known = self._descendants + self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        _, alive = psutil.wait_procs(known, timeout=10)
+        for p in alive:
+            p.kill()
+        assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
+        return code
+
+    def __enter__(self) -> TandemStack:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        self.log_path.unlink(missing_ok=True)
+
+
+def completion(url: str, prompt: str | list[int], **params: Any) -> dict[str, Any]:
+    body = {"model": "smollm2-135m-instruct", "prompt": prompt, **params}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from common.config import CacheConfig, EngineAddresses, ModelConfig, SchedulerConfig, parse_config
+
+
+def test_cli_round_trip() -> None:
+    argv = ["--model", "/m/x", "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-gb", "0.5",
+            "--input-address", "ipc:///tmp/a", "--output-address", "tcp://127.0.0.1:5555"]
+    config = parse_config(argv)
+    assert config.model.dtype == "float32" and config.scheduler.max_num_seqs == 4
+    assert config.served_model_name == "x"
+    assert parse_config(config.to_cli_args()) == config
+
+
+def test_defaults() -> None:
+    config = parse_config([])
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+    assert config.model.model == "smollm2-135m-instruct" == config.served_model_name
+    assert config.cache.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ModelConfig(dtype="int4"), "--dtype must be one of"),  # type: ignore[arg-type]
+        (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs must be at least 1"),
+        (lambda: CacheConfig(kv_cache_gb=0), "--kv-cache-gb must be positive"),
+        (lambda: EngineAddresses(input_address="http://x"), "--input-address must start with"),
+    ],
+)
+def test_invalid_values_raise_clear_errors(build: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()  # type: ignore[operator]
+
+
+def test_configs_are_frozen() -> None:
+    config = parse_config([])
+    with pytest.raises(AttributeError):
+        config.scheduler.max_num_seqs = 3  # type: ignore[misc]
