@@ -1,0 +1,136 @@
+"""The real stack over HTTP: streaming and plain completions, models, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from tests.stack import TandemStack, completion
+
+MODEL = "smollm2-135m-instruct"
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_streaming_completion_names_paris(server: TandemStack) -> None:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("cmpl-")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) > 2  # streamed, not one blob
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert "Paris" in text
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert last["usage"]["prompt_tokens"] == 5
+    assert 0 < last["usage"]["completion_tokens"] <= 32
+
+
+def test_plain_completion_and_stop_string(server: TandemStack) -> None:
+    full = completion(server.url, "The capital of France is", max_tokens=12, temperature=0, return_token_ids=True)
+    text = full["choices"][0]["text"]
+    assert full["object"] == "text_completion"
+    assert len(full["choices"][0]["token_ids"]) == full["usage"]["completion_tokens"]
+    assert full["prompt_token_ids"] and full["usage"]["prompt_tokens"] == len(full["prompt_token_ids"])
+    cut = text.index(".")  # greedy SmolLM2: " Paris.\n\n..." -- stop at the first period
+    stopped = completion(server.url, "The capital of France is", max_tokens=12, temperature=0, stop=["."])
+    assert stopped["choices"][0]["text"] == text[:cut]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_max_tokens_gives_length(server: TandemStack) -> None:
+    out = completion(server.url, "Once upon a time", max_tokens=5, temperature=0, ignore_eos=True)
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 5
+
+
+def test_token_id_prompt_equals_text_prompt(server: TandemStack) -> None:
+    by_text = completion(server.url, "Hello, my name is", max_tokens=8, temperature=0, return_token_ids=True)
+    by_ids = completion(server.url, by_text["prompt_token_ids"], max_tokens=8, temperature=0)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_seeded_sampling_is_reproducible(server: TandemStack) -> None:
+    params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "ignore_eos": True}
+    a = completion(server.url, "My favourite colour is", seed=1234, **params)["choices"][0]["text"]
+    b = completion(server.url, "My favourite colour is", seed=1234, **params)["choices"][0]["text"]
+    others = {completion(server.url, "My favourite colour is", seed=s, **params)["choices"][0]["text"] for s in range(5)}
+    assert a == b
+    assert len(others) > 1
+
+
+def test_models_and_health(server: TandemStack) -> None:
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 8192
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "model_loaded": True}
+
+
+def test_unknown_model_and_bad_json(server: TandemStack) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "bogus"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9000})
+    assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
+    assert completion(server.url, "still serving", max_tokens=2)["usage"]["completion_tokens"] >= 1
+
+
+def wait_idle(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats: dict[str, float] = httpx.get(f"{url}/stats").json()
+        if (stats["active_requests"], stats["waiting_requests"], stats["num_kv_blocks_in_use"]) == (0, 0, 0):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle: {stats}")
+        time.sleep(0.1)
+
+
+def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack) -> None:
+    async def stream(client: httpx.AsyncClient, drop_after: int | None) -> list[str]:
+        # A dropped stream asks for far more tokens than the test waits for: only an
+        # abort in the engine lets the stats return to zero in time.
+        max_tokens = 64 if drop_after is None else 3000
+        body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": max_tokens,
+                "temperature": 0.8, "seed": 7, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if drop_after is not None and len(events) >= drop_after:
+                        return events  # leaving the block closes the connection mid-stream
+        return events
+
+    async def run() -> list[list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            busy = asyncio.gather(*(stream(client, 3 if i % 2 else None) for i in range(6)))
+            await asyncio.sleep(0.5)
+            during = (await client.get(f"{server.url}/stats")).json()
+            assert during["num_kv_blocks_in_use"] > 0 and 0 < during["cache_usage"] < 1
+            return list(await busy)
+
+    results = asyncio.run(run())
+    for events in results[0::2]:  # the streams that were read to the end
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert last["usage"]["completion_tokens"] == 64
+    assert [len(events) for events in results[1::2]] == [3, 3, 3]
+    stats = wait_idle(server.url)
+    assert stats["cache_usage"] == 0.0
+    assert stats["num_kv_blocks_total"] > 0

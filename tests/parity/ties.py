@@ -1,0 +1,32 @@
+"""Greedy parity as ../shared/ARCHITECTURE.md defines it: identical token ids, except
+that the first differing position may be a numerical tie -- each side's token within
+the other's top-2, with a logprob gap under 1e-3. Nothing after it is compared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TIE_GAP = 1e-3
+
+LogprobsFn = Callable[[list[int]], torch.Tensor]  # token ids -> next-token logprobs
+
+
+def is_tie(logprobs: torch.Tensor, own: int, other: int) -> bool:
+    top2 = logprobs.topk(2).indices.tolist()
+    return other in top2 and own in top2 and abs(float(logprobs[own] - logprobs[other])) < TIE_GAP
+
+
+def assert_greedy_parity(
+    prompt: list[int], ours: list[int], ref: list[int], ours_fn: LogprobsFn, ref_fn: LogprobsFn
+) -> None:
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a == b:
+            continue
+        prefix = prompt + ref[:i]
+        assert is_tie(ours_fn(prefix), a, b) and is_tie(ref_fn(prefix), b, a), (
+            f"greedy outputs diverge at token {i} ({a} vs {b}) without a numerical tie"
+        )
+        return
+    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref={ref}"
