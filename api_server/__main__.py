@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -22,12 +24,22 @@ from common.process import EXIT_ENGINE_DIED, die_with_parent
 logger = logging.getLogger("api_server")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
+    die by the signal; a requested stop is a clean exit here (code 0)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C
+        self.should_exit = True
+
+
 async def serve(config: TandemConfig) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(config.model.model)))
     exit_code = 0
-    server: uvicorn.Server | None = None
+    server: _Server | None = None
 
     def on_engine_dead(reason: str) -> None:
         nonlocal exit_code
@@ -42,7 +54,7 @@ async def serve(config: TandemConfig) -> int:
     client = EngineClient(config.addresses, on_dead=on_engine_dead)
     await client.start()
     app = create_app(CompletionService(config.served_model_name, tokenizer, client))
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.server.host,

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +126,7 @@ class CompletionService:
             )
         return max_tokens
 
-    async def run(self, request: EngineRequest, stops: list[str]) -> AsyncIterator[Piece]:
+    async def run(self, request: EngineRequest, stops: list[str]) -> AsyncGenerator[Piece, None]:
         """Engine outputs -> text pieces; a stop string ends the request early."""
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
         matcher = StopStringMatcher(stops)
@@ -236,13 +236,13 @@ def create_app(service: CompletionService) -> Starlette:
         return JSONResponse(body, headers=headers)
 
     async def _stream(
-        pieces: AsyncIterator[Piece],
+        pieces: AsyncGenerator[Piece, None],
         request_id: str,
         model: str,
         created: int,
         num_prompt: int,
         with_ids: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         try:
             async with aclosing(pieces):
                 async for piece in pieces:

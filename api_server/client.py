@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 import zmq
@@ -94,7 +94,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Send the request and yield its outputs until one carries a finish reason.
         Leaving early (client gone, stop string hit) aborts it in the engine."""
         if self.dead_reason is not None:

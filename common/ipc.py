@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
@@ -22,7 +22,7 @@ class Codec(Generic[T]):
 
     def __init__(self, decode_type: type[T] | object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
@@ -32,7 +32,7 @@ class Codec(Generic[T]):
 
 
 def make_socket(
-    ctx: zmq.Context[zmq.Socket[bytes]] | zmq.asyncio.Context,
+    ctx: zmq.Context[Any],
     kind: int,
     address: str,
     *,
@@ -50,7 +50,7 @@ def make_socket(
         sock.bind(address)
     else:
         sock.connect(address)
-    return sock  # type: ignore[return-value]
+    return sock
 
 
 def make_runtime_dir() -> str:

@@ -82,8 +82,8 @@ class ModelRunner:
         )
         slots = self.num_kv_blocks * self.block_size
         self.kv_caches = [
-            torch.zeros(self.model.kv_cache_shape(slots), dtype=dtype, device=device)  # type: ignore[operator]
-            for _ in range(self.model.num_layers)  # type: ignore[arg-type]
+            torch.zeros(self.model.kv_cache_shape(slots), dtype=dtype, device=device)
+            for _ in range(self.model.num_layers)
         ]
         self.requests: dict[str, RequestState] = {}
         logger.info(
@@ -92,9 +92,9 @@ class ModelRunner:
 
     def _blocks_for_memory(self, gib: float, dtype: torch.dtype) -> int:
         one_slot = 1
-        for dim in self.model.kv_cache_shape(1):  # type: ignore[operator]
+        for dim in self.model.kv_cache_shape(1):
             one_slot *= dim
-        bytes_per_block = one_slot * self.model.num_layers * self.block_size * dtype.itemsize  # type: ignore[operator]
+        bytes_per_block = one_slot * self.model.num_layers * self.block_size * dtype.itemsize
         blocks = int(gib * (1 << 30)) // bytes_per_block
         if blocks < 1:
             raise ValueError(
@@ -146,7 +146,7 @@ class ModelRunner:
         if not sample_rows:
             return ModelRunnerOutput(step.step_id, [], [])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.requests[r] for r in sample_ids]
         for state in states:
             if state.generator is not None and state.sampling_params.seed is not None:

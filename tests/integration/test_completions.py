@@ -18,7 +18,13 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 
 def test_streaming_completion_names_paris(server: TandemStack) -> None:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -38,13 +44,19 @@ def test_streaming_completion_names_paris(server: TandemStack) -> None:
 
 
 def test_plain_completion_and_stop_string(server: TandemStack) -> None:
-    full = completion(server.url, "The capital of France is", max_tokens=12, temperature=0, return_token_ids=True)
+    full = completion(
+        server.url, "The capital of France is", max_tokens=12, temperature=0, return_token_ids=True
+    )
     text = full["choices"][0]["text"]
     assert full["object"] == "text_completion"
     assert len(full["choices"][0]["token_ids"]) == full["usage"]["completion_tokens"]
-    assert full["prompt_token_ids"] and full["usage"]["prompt_tokens"] == len(full["prompt_token_ids"])
+    assert full["prompt_token_ids"] and full["usage"]["prompt_tokens"] == len(
+        full["prompt_token_ids"]
+    )
     cut = text.index(".")  # greedy SmolLM2: " Paris.\n\n..." -- stop at the first period
-    stopped = completion(server.url, "The capital of France is", max_tokens=12, temperature=0, stop=["."])
+    stopped = completion(
+        server.url, "The capital of France is", max_tokens=12, temperature=0, stop=["."]
+    )
     assert stopped["choices"][0]["text"] == text[:cut]
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
@@ -56,7 +68,9 @@ def test_max_tokens_gives_length(server: TandemStack) -> None:
 
 
 def test_token_id_prompt_equals_text_prompt(server: TandemStack) -> None:
-    by_text = completion(server.url, "Hello, my name is", max_tokens=8, temperature=0, return_token_ids=True)
+    by_text = completion(
+        server.url, "Hello, my name is", max_tokens=8, temperature=0, return_token_ids=True
+    )
     by_ids = completion(server.url, by_text["prompt_token_ids"], max_tokens=8, temperature=0)
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
 
@@ -65,7 +79,10 @@ def test_seeded_sampling_is_reproducible(server: TandemStack) -> None:
     params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "ignore_eos": True}
     a = completion(server.url, "My favourite colour is", seed=1234, **params)["choices"][0]["text"]
     b = completion(server.url, "My favourite colour is", seed=1234, **params)["choices"][0]["text"]
-    others = {completion(server.url, "My favourite colour is", seed=s, **params)["choices"][0]["text"] for s in range(5)}
+    others = {
+        completion(server.url, "My favourite colour is", seed=s, **params)["choices"][0]["text"]
+        for s in range(5)
+    }
     assert a == b
     assert len(others) > 1
 
@@ -80,11 +97,17 @@ def test_models_and_health(server: TandemStack) -> None:
 def test_unknown_model_and_bad_json(server: TandemStack) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1})
     assert r.status_code == 422 and r.json()["error"]["param"] == "bogus"
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9000})
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9000}
+    )
     assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
     assert completion(server.url, "still serving", max_tokens=2)["usage"]["completion_tokens"] >= 1
 
@@ -93,7 +116,11 @@ def wait_idle(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         stats: dict[str, float] = httpx.get(f"{url}/stats").json()
-        if (stats["active_requests"], stats["waiting_requests"], stats["num_kv_blocks_in_use"]) == (0, 0, 0):
+        if (stats["active_requests"], stats["waiting_requests"], stats["num_kv_blocks_in_use"]) == (
+            0,
+            0,
+            0,
+        ):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle: {stats}")
@@ -105,8 +132,15 @@ def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack
         # A dropped stream asks for far more tokens than the test waits for: only an
         # abort in the engine lets the stats return to zero in time.
         max_tokens = 64 if drop_after is None else 3000
-        body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": max_tokens,
-                "temperature": 0.8, "seed": 7, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": "Tell me a long story about a dragon.",
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": 7,
+            "ignore_eos": True,
+            "stream": True,
+        }
         events: list[str] = []
         async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():

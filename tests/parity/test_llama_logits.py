@@ -20,8 +20,15 @@ TOL = 1e-4
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -39,7 +46,10 @@ class Paged:
 
     def __init__(self, checkpoint: Path, num_blocks: int = 64) -> None:
         self.model = load_model(checkpoint, torch.float32, torch.device("cpu"))
-        self.caches = [torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK)) for _ in range(self.model.num_layers)]
+        self.caches = [
+            torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK))
+            for _ in range(self.model.num_layers)
+        ]
 
     @torch.inference_mode()
     def step(self, seqs: list[tuple[list[int], list[int], int, int]]) -> list[torch.Tensor]:
@@ -49,8 +59,16 @@ class Paged:
         for tokens, _, start, length in seqs:
             ids += tokens[start : start + length]
             pos += list(range(start, start + length))
-        meta = build_metadata([s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs], BLOCK, torch.device("cpu"))
-        logits = self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta))
+        meta = build_metadata(
+            [s[1] for s in seqs],
+            [s[2] for s in seqs],
+            [s[3] for s in seqs],
+            BLOCK,
+            torch.device("cpu"),
+        )
+        logits = self.model.compute_logits(
+            self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
+        )
         return list(torch.split(logits, [s[3] for s in seqs]))
 
 
@@ -74,7 +92,9 @@ def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: LlamaF
     a, b, c = prompt(2, 9), prompt(3, 5), prompt(4, 17)
     paged.step([(a, [10, 11, 12], 0, 8), (b, [20, 21], 0, 4)])  # a and b partly prefilled
     # One forward: a and b decode their last token while c prefills whole.
-    la, lb, lc = paged.step([(a, [10, 11, 12], 8, 1), (b, [20, 21], 4, 1), (c, [30, 31, 32, 33, 34], 0, 17)])
+    la, lb, lc = paged.step(
+        [(a, [10, 11, 12], 8, 1), (b, [20, 21], 4, 1), (c, [30, 31, 32, 33, 34], 0, 17)]
+    )
     assert (la[0] - ref_logits(reference, a)[-1]).abs().max() < TOL
     assert (lb[0] - ref_logits(reference, b)[-1]).abs().max() < TOL
     assert (lc - ref_logits(reference, c)).abs().max() < TOL
@@ -88,7 +108,9 @@ def test_prompt_prefilled_in_three_chunks(checkpoint: Path, reference: LlamaForC
     assert (torch.cat(chunks) - ref_logits(reference, tokens)).abs().max() < TOL
 
 
-def test_twenty_decode_steps_over_scattered_blocks(checkpoint: Path, reference: LlamaForCausalLM) -> None:
+def test_twenty_decode_steps_over_scattered_blocks(
+    checkpoint: Path, reference: LlamaForCausalLM
+) -> None:
     tokens = prompt(6, 7)
     blocks = [41, 3, 17, 60, 8, 29, 50]  # deliberately non-contiguous and unordered
     paged = Paged(checkpoint)

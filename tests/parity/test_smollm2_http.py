@@ -31,7 +31,9 @@ MAX_TOKENS = 48
 def reference() -> tuple[Any, PreTrainedModel]:
     gguf = find_embedded_gguf(EMBEDDED_MODELS["smollm2-135m-instruct"])
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     return tok, model.eval()
 
 
@@ -42,7 +44,7 @@ def expected(reference: tuple[Any, PreTrainedModel]) -> list[tuple[list[int], li
     for text in PROMPTS:
         ids = tok(text, return_tensors="pt").input_ids
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)  # type: ignore[operator]
         out.append((ids[0].tolist(), gen[0, ids.shape[1] :].tolist()))
     return out
 
@@ -59,7 +61,9 @@ def logprob_fns(reference: tuple[Any, PreTrainedModel], smollm2_dir: Path) -> tu
     @torch.no_grad()
     def ours_fn(ids: list[int]) -> torch.Tensor:
         blocks = list(range(len(ids) // 16 + 1))
-        caches = [torch.zeros(ours.kv_cache_shape(len(blocks) * 16)) for _ in range(ours.num_layers)]
+        caches = [
+            torch.zeros(ours.kv_cache_shape(len(blocks) * 16)) for _ in range(ours.num_layers)
+        ]
         meta = build_metadata([blocks], [0], [len(ids)], 16, torch.device("cpu"))
         hidden = ours(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
         return torch.log_softmax(ours.compute_logits(hidden[-1:])[0], -1)
@@ -73,18 +77,27 @@ def served(url: str, prompt: list[int]) -> list[int]:
     return ids
 
 
-def test_one_after_another(server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]) -> None:
+def test_one_after_another(
+    server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]
+) -> None:
     for prompt, ref in expected:
         assert_greedy_parity(prompt, served(server.url, prompt), ref, *logprob_fns)
 
 
-def test_all_at_once(server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]) -> None:
+def test_all_at_once(
+    server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]
+) -> None:
     async def send_all() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=120) as client:
 
             async def one(prompt: list[int]) -> list[int]:
-                body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                        "temperature": 0, "return_token_ids": True}
+                body = {
+                    "model": "smollm2-135m-instruct",
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                }
                 r = await client.post(f"{server.url}/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 return list(r.json()["choices"][0]["token_ids"])

@@ -29,4 +29,6 @@ def assert_greedy_parity(
             f"greedy outputs diverge at token {i} ({a} vs {b}) without a numerical tie"
         )
         return
-    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref={ref}"
+    assert len(ours) == len(ref), (
+        f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref={ref}"
+    )

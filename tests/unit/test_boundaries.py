@@ -37,12 +37,18 @@ def test_common_imports_no_process_package() -> None:
 
 
 def test_engine_core_does_not_import_torch() -> None:
-    source = [m for m in imported_modules("engine_core") if m[1].split(".")[0] in ("torch", "transformers")]
+    source = [
+        m
+        for m in imported_modules("engine_core")
+        if m[1].split(".")[0] in ("torch", "transformers")
+    ]
     assert source == []
     # And at run time, through everything it imports from common/.
     code = (
         "import sys, engine_core.core, engine_core.__main__, engine_core.scheduler; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     assert out.stdout.strip() == "[]"

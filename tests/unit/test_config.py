@@ -6,8 +6,20 @@ from common.config import CacheConfig, EngineAddresses, ModelConfig, SchedulerCo
 
 
 def test_cli_round_trip() -> None:
-    argv = ["--model", "/m/x", "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-gb", "0.5",
-            "--input-address", "ipc:///tmp/a", "--output-address", "tcp://127.0.0.1:5555"]
+    argv = [
+        "--model",
+        "/m/x",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-gb",
+        "0.5",
+        "--input-address",
+        "ipc:///tmp/a",
+        "--output-address",
+        "tcp://127.0.0.1:5555",
+    ]
     config = parse_config(argv)
     assert config.model.dtype == "float32" and config.scheduler.max_num_seqs == 4
     assert config.served_model_name == "x"

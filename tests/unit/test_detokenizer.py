@@ -24,7 +24,9 @@ def test_multibyte_characters_are_never_split(tokenizer: Tokenizer) -> None:
 
 
 def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode(" done", add_special_tokens=False).ids + [tokenizer.token_to_id("<|im_end|>")]
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert im_end is not None
+    ids = [*tokenizer.encode(" done", add_special_tokens=False).ids, im_end]
     assert IncrementalDetokenizer(tokenizer).push(ids) == " done"
 
 

@@ -19,7 +19,9 @@ from common.messages import (
 
 
 def test_engine_request_encoding_is_pinned() -> None:
-    request = EngineRequest("r1", b"c", [1, 2], SamplingParams(max_tokens=3, temperature=0.5), 2.0, priority=1)
+    request = EngineRequest(
+        "r1", b"c", [1, 2], SamplingParams(max_tokens=3, temperature=0.5), 2.0, priority=1
+    )
     encoded = msgspec.msgpack.encode(request)
     assert msgspec.msgpack.decode(encoded) == [
         "EngineRequest",

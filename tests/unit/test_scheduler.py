@@ -1,7 +1,13 @@
 from __future__ import annotations
 
 from common.config import SchedulerConfig
-from common.messages import FinishReason, ModelInfo, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from common.messages import (
+    FinishReason,
+    ModelInfo,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
@@ -10,7 +16,11 @@ EOS = 2
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32, max_model_len: int = 256
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    budget: int = 32,
+    max_model_len: int = 256,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
@@ -24,7 +34,9 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, **params: object) -> Req
     return Request(rid, b"client", list(range(10, 10 + prompt_len)), sp, arrival_time=0.0)
 
 
-def run_step(s: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, dict[str, FinishReason | None]]:
+def run_step(
+    s: Scheduler, tokens: dict[str, int] | None = None
+) -> tuple[SchedulerOutput, dict[str, FinishReason | None]]:
     """Schedule, then pretend the worker sampled ``tokens[rid]`` (default 50) for every
     request whose scheduled tokens reach its end."""
     out = s.schedule()
@@ -48,7 +60,9 @@ def test_new_request_is_sent_whole_then_as_diffs() -> None:
     assert finished == {"a": None}
     out, _ = run_step(s)  # decode: token 7 lands in block 1
     assert out.new_requests == []
-    assert [(c.request_id, c.new_block_ids, c.num_computed_tokens) for c in out.cached_requests] == [("a", [], 6)]
+    assert [
+        (c.request_id, c.new_block_ids, c.num_computed_tokens) for c in out.cached_requests
+    ] == [("a", [], 6)]
     assert out.num_scheduled_tokens == {"a": 1}
     out, _ = run_step(s)  # token 8 still in block 1; token 9 needs block 2
     out, _ = run_step(s)

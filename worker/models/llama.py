@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.models.base import CausalLM
 from worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
@@ -107,10 +108,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """``forward`` takes the flattened tokens of the whole step and returns hidden states;
-    ``compute_logits`` is applied only to rows that need sampling."""
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
         self.args = LlamaArgs.from_hf_config(hf_config)
@@ -120,13 +118,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def tied_weights(self) -> dict[str, str]:
-        """Parameters that are the same tensor as another, absent from the checkpoint."""
         return (
             {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
         )
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Shape of one layer's cache."""
         return (2, num_slots, self.args.num_kv_heads, self.args.head_dim)
 
     @property

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
+from worker.models.base import CausalLM
 from worker.models.registry import model_class_for
 
 
@@ -32,17 +32,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build the model named by ``architectures`` and fill every parameter from disk.
 
     Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
     """
     config = read_hf_config(model_dir)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
-        model: nn.Module = model_class_for(config)(config)
+        model = model_class_for(config)(config)
     model = model.to_empty(device=device).to(dtype)
     expected = dict(model.named_parameters())
-    tied: dict[str, str] = getattr(model, "tied_weights", {})
+    tied = model.tied_weights
     loaded: set[str] = set()
     with torch.no_grad():
         for path in safetensors_files(model_dir):

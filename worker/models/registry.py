@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
+from worker.models.base import CausalLM
 from worker.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
 }
 
 
-def model_class_for(hf_config: dict[str, Any]) -> type[nn.Module]:
+def model_class_for(hf_config: dict[str, Any]) -> type[CausalLM]:
     names = hf_config.get("architectures") or []
     for name in names:
         if name in MODEL_REGISTRY:

@@ -1,0 +1,140 @@
+"""Process lifecycle: clean stops, loading state, and a dying worker or engine."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from common.config import EngineAddresses
+from common.ipc import make_runtime_dir
+from tests.stack import TandemStack, free_port
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_process_with_exit_0(smollm2_dir: Path, sig: int) -> None:
+    stack = TandemStack().start()
+    names = sorted(p.cmdline()[p.cmdline().index("-m") + 1] for p in stack.descendants())
+    assert names == ["api_server", "engine_core", "worker"]
+    assert stack.stop(sig) == 0  # stop() also asserts no process is left
+
+
+def long_stream(url: str, events: list[str]) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Count to a thousand:",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine_core"])
+def test_a_dying_process_fails_requests_and_stops_the_service(
+    smollm2_dir: Path, victim: str
+) -> None:
+    stack = TandemStack("--grace-period-s", "3").start()
+    events: list[str] = []
+    reader = threading.Thread(target=long_stream, args=(stack.url, events))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(events) >= 3, "the stream never started"
+    survivors = stack.descendants()
+    stack.process_named(victim).kill()
+    killed_at = time.monotonic()
+
+    health = httpx.get(f"{stack.url}/health", timeout=5)
+    while health.status_code == 200 and time.monotonic() - killed_at < 5:
+        time.sleep(0.05)
+        health = httpx.get(f"{stack.url}/health", timeout=5)
+    assert health.status_code == 503
+    assert time.monotonic() - killed_at < 1.5  # noticed within about a second
+    assert health.json()["status"] == "dead"
+    new = httpx.post(
+        f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5
+    )
+    assert new.status_code == 503 and new.headers["retry-after"]
+    reader.join(timeout=10)
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2])  # the in-flight stream ended with an error
+
+    assert stack.proc is not None
+    code = stack.proc.wait(timeout=30)
+    assert code != 0
+    assert time.monotonic() - killed_at >= 2.5  # the grace period was honoured
+    log = stack.log()
+    expected = "a worker process died" if victim == "worker" else "engine_core (pid"
+    assert "tandem: " in log and expected in log.split("tandem: ")[-1]
+    _, alive = psutil.wait_procs(survivors, timeout=10)
+    assert alive == []
+
+
+def test_api_server_alone_reports_loading_until_an_engine_comes(smollm2_dir: Path) -> None:
+    """Each process runs by its own command (as in containers); /health follows the engine."""
+    runtime = make_runtime_dir()
+    addresses = EngineAddresses.ipc_in(runtime)
+    port = free_port()
+    flags = [
+        "--model",
+        str(smollm2_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--input-address",
+        addresses.input_address,
+        "--output-address",
+        addresses.output_address,
+    ]
+    api = subprocess.Popen([sys.executable, "-m", "api_server", *flags])
+    engine = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"{url}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "api_server never answered"
+                time.sleep(0.2)
+        assert (r.status_code, r.json()) == (503, {"status": "loading", "model_loaded": False})
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+
+        engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags])
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline, "never became healthy"
+            time.sleep(0.2)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "The capital of France is",
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
+    finally:
+        for proc in (api, engine):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=30) == 0

@@ -1,0 +1,41 @@
+"""The interface every model family offers the model runner."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.attention import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over the flattened tokens of one step.
+
+    ``forward`` returns hidden states for every scheduled token; ``compute_logits``
+    is applied only to the rows that are sampled.
+    """
+
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters that are the same tensor as another, absent from checkpoints."""
+        return {}
+
+    def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache holding ``num_slots`` tokens."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
