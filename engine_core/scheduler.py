@@ -215,6 +215,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        logger.info(
+            "[%s] finished (%s): %d prompt + %d output tokens",
+            request.request_id,
+            reason,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+        )
 
     # ------------------------------------------------------------------ stats
 

@@ -9,7 +9,9 @@ from worker.sampler import SamplingBatch, sample
 def batch(params: list[SamplingParams], seeded: bool = True) -> SamplingBatch:
     gens: list[torch.Generator | None] = []
     for i, p in enumerate(params):
-        gens.append(torch.Generator().manual_seed(p.seed if p.seed is not None else i) if seeded else None)
+        gens.append(
+            torch.Generator().manual_seed(p.seed if p.seed is not None else i) if seeded else None
+        )
     return SamplingBatch.build(params, gens, torch.device("cpu"))
 
 
@@ -24,8 +26,11 @@ def test_greedy_is_argmax() -> None:
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     x = logits(3)
-    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=0.0),
+    ]
     for _ in range(5):
         assert torch.equal(sample(x, batch(params, seeded=False)), x.argmax(-1))
 
