@@ -63,14 +63,46 @@ class CacheConfig:
         )
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+Batching = Literal["continuous", "static"]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits per step."""
+    """Batching limits per step and the policies of the scheduler."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = a prompt may take the whole step budget
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    priority_aging_s: float = 1.0
+    batching: Batching = "continuous"
+    batch_wait_timeout_s: float = 0.05
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            f"--long-prefill-token-threshold must not be negative, got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.scheduling_policy in ("fcfs", "priority"),
+            "--scheduling-policy must be fcfs or priority",
+        )
+        _require(
+            self.priority_aging_s > 0,
+            f"--priority-aging-s must be positive, got {self.priority_aging_s}",
+        )
+        _require(
+            self.batching in ("continuous", "static"), "--batching must be continuous or static"
+        )
+        _require(self.batch_wait_timeout_s >= 0, "--batch-wait-timeout-s must not be negative")
+        _require(
+            self.max_waiting_requests >= 1,
+            f"--max-waiting-requests must be at least 1, got {self.max_waiting_requests}",
+        )
         _require(
             self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"
         )
@@ -166,9 +198,11 @@ class TandemConfig:
         for group in (self.model, self.cache, self.scheduler, self.server, self.addresses):
             for f in dataclasses.fields(group):
                 value = getattr(group, f.name)
-                if value is None or value == "":
-                    continue
-                argv += ["--" + f.name.replace("_", "-"), str(value)]
+                flag = "--" + f.name.replace("_", "-")
+                if isinstance(value, bool):
+                    argv.append(flag if value else "--no-" + flag[2:])
+                elif value is not None and value != "":
+                    argv += [flag, str(value)]
         return argv
 
 
@@ -231,6 +265,54 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.scheduler.max_num_batched_tokens,
         help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    s.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.scheduler.enable_chunked_prefill,
+        help="split prompts longer than the step budget over several steps (default: on)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.scheduler.long_prefill_token_threshold,
+        help="most tokens one prompt may take of a step, so decodes keep flowing; 0 = no cap (default: %(default)s)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.scheduler.enable_prefix_caching,
+        help="reuse the KV blocks of identical prompt prefixes (default: on)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default=d.scheduler.scheduling_policy,
+        choices=("fcfs", "priority"),
+        help="waiting order: arrival, or request priority (lower first) with aging (default: %(default)s)",
+    )
+    s.add_argument(
+        "--priority-aging-s",
+        type=float,
+        default=d.scheduler.priority_aging_s,
+        help="with --scheduling-policy priority, a waiting request gains one priority level per this many seconds (default: %(default)s)",
+    )
+    s.add_argument(
+        "--batching",
+        default=d.scheduler.batching,
+        choices=("continuous", "static"),
+        help="static: a batch forms, runs to completion, nothing joins meanwhile; for comparison only (default: %(default)s)",
+    )
+    s.add_argument(
+        "--batch-wait-timeout-s",
+        type=float,
+        default=d.scheduler.batch_wait_timeout_s,
+        help="with --batching static, how long a batch waits to fill (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.scheduler.max_waiting_requests,
+        help="queued requests beyond this are refused with 503 (default: %(default)s)",
     )
     h = parser.add_argument_group("server")
     h.add_argument(

@@ -49,6 +49,14 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self.value]
 
 
+class ErrorKind(enum.IntEnum):
+    """Why the engine refused or failed a request, so the API can answer with the right status."""
+
+    INVALID = 1  # can never run as asked (400)
+    OVERLOADED = 2  # queue full; retry later (503)
+    INTERNAL = 3  # the engine or a worker failed (500/503)
+
+
 class SamplingParams(_Wire):
     """How to pick tokens for one request. ``temperature == 0`` means greedy."""
 
@@ -77,6 +85,7 @@ class EngineRequest(_Wire, tag=True):
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
 
 class AbortRequests(_Wire, tag=True):
@@ -85,7 +94,11 @@ class AbortRequests(_Wire, tag=True):
     request_ids: list[str]
 
 
-EngineInput = EngineRequest | AbortRequests
+class ResetPrefixCache(_Wire, tag=True):
+    """Forget every cached prefix block (e.g. after changing weights)."""
+
+
+EngineInput = EngineRequest | AbortRequests | ResetPrefixCache
 
 
 # ---------------------------------------------------------------- engine -> api_server
@@ -98,6 +111,8 @@ class RequestOutput(_Wire):
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class SchedulerStats(_Wire):
@@ -110,6 +125,9 @@ class SchedulerStats(_Wire):
     num_tokens_scheduled: int = 0
     num_requests_total: int = 0
     num_generated_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up
+    prefix_cache_hits_total: int = 0  # of which found in the cache
 
 
 class ModelInfo(_Wire):

@@ -28,6 +28,7 @@ from common.messages import (
     EngineOutputs,
     EngineRequest,
     ModelInfo,
+    ResetPrefixCache,
     SchedulerStats,
 )
 from engine_core.executor import WorkerDied, WorkerPool
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.2
 _IDLE_WAIT_S = 0.1
+_FORMING_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -73,7 +75,9 @@ class EngineCore:
     def run(self) -> None:
         """Serve until ``stop()``. Raises ``WorkerDied`` when a worker dies."""
         ready = self.pool.wait_ready()
-        kv = KVCacheManager(ready.num_kv_blocks, ready.block_size)
+        kv = KVCacheManager(
+            ready.num_kv_blocks, ready.block_size, self.config.scheduler.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.config.scheduler, kv, ready.model)
         self._model = ready.model
         self._stats = self.scheduler.stats()
@@ -91,13 +95,17 @@ class EngineCore:
     def step(self) -> None:
         assert self.scheduler is not None  # set in run()
         work = self.scheduler.schedule()
+        if not work.num_scheduled_tokens and not work.finished_request_ids:
+            # Nothing could run (a static batch still forming): wait for input a moment.
+            self._apply_inputs(block=True, timeout_s=_FORMING_WAIT_S)
+            return
         result = self.pool.execute(work)
         self._emit(self.scheduler.update_from_output(work, result))
 
-    def _apply_inputs(self, block: bool) -> None:
+    def _apply_inputs(self, block: bool, timeout_s: float = _IDLE_WAIT_S) -> None:
         assert self.scheduler is not None
         try:
-            message = self._inputs.get(timeout=_IDLE_WAIT_S) if block else self._inputs.get_nowait()
+            message = self._inputs.get(timeout=timeout_s) if block else self._inputs.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -112,6 +120,8 @@ class EngineCore:
                     self._emit({message.client_id: [error]})
             elif isinstance(message, AbortRequests):
                 self._emit(self.scheduler.abort_requests(message.request_ids))
+            elif isinstance(message, ResetPrefixCache):
+                self.scheduler.reset_prefix_cache()
             try:
                 message = self._inputs.get_nowait()
             except queue.Empty:

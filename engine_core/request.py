@@ -25,6 +25,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -37,6 +38,10 @@ class Request:
         self.num_computed_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.sent_to_workers = False  # the workers hold state for it
+        self.cache_key_extra = (cache_salt or "").encode()
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.first_output_sent = False
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:

@@ -2,20 +2,25 @@
 token budget and ``max_num_seqs``.
 
 There are no prefill or decode phases: each request has ``num_computed_tokens`` and
-the scheduler gives it up to ``num_tokens - num_computed_tokens`` of the step's budget,
-so a long prompt is prefilled in chunks while other requests keep decoding. When KV
-blocks run out, the most recently admitted running request is preempted (its blocks
-freed, to be recomputed later) so older ones can continue.
+the scheduler gives it up to ``num_tokens - num_computed_tokens`` of the step's budget
+(capped by ``long_prefill_token_threshold``), so a long prompt is prefilled in chunks
+while other requests keep decoding. On admission, the prompt's cached prefix blocks are
+reused. When KV blocks run out, the least urgent running request (largest priority
+value, then latest arrival) is preempted: its blocks are freed and it is recomputed
+later. ``--batching static`` keeps the old way for comparison: a batch forms, runs to
+completion, and nothing joins it meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+import time
+from collections.abc import Callable
 
 from common.config import SchedulerConfig
 from common.messages import (
     CachedRequestData,
+    ErrorKind,
     FinishReason,
     ModelInfo,
     ModelRunnerOutput,
@@ -24,8 +29,9 @@ from common.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine_core.kv_cache import KVCacheManager
+from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
+from engine_core.request_queue import FcfsQueue, PriorityQueue, RequestQueue
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +39,33 @@ ClientOutputs = dict[bytes, list[RequestOutput]]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, model: ModelInfo) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        model: ModelInfo,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.model = model
+        self._clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = (
+            PriorityQueue(config.priority_aging_s)
+            if config.scheduling_policy == "priority"
+            else FcfsQueue()
+        )
         self.running: list[Request] = []
+        # Without chunking a prompt runs whole in one step, whatever the budget says.
+        self._step_budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            self._step_budget = max(self._step_budget, model.max_model_len)
+        self._prefill_cap = config.long_prefill_token_threshold or self._step_budget
         self._finished_for_workers: list[str] = []
         self._step_id = 0
+        self._static_quota = 0  # static batching: requests still to admit into this batch
+        self._static_wait_start: float | None = None
         self.num_requests_total = 0
         self.num_generated_tokens_total = 0
         self.num_preemptions_total = 0
@@ -50,54 +74,66 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request: Request) -> RequestOutput | None:
-        """Queue a request; returns an error output instead if it can never run."""
+        """Queue a request; returns an error output instead if it cannot be queued."""
         self.num_requests_total += 1
         error = self._admission_error(request)
         if error is not None:
-            logger.warning("[%s] rejected: %s", request.request_id, error)
-            return RequestOutput(request.request_id, [], FinishReason.ERROR, error)
+            kind, message = error
+            logger.warning("[%s] refused: %s", request.request_id, message)
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, message, kind)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+        if self._static_wait_start is None:
+            self._static_wait_start = self._clock()
         return None
 
-    def _admission_error(self, request: Request) -> str | None:
+    def _admission_error(self, request: Request) -> tuple[ErrorKind, str] | None:
         if request.request_id in self.requests:
-            return f"request id {request.request_id} is already in use"
+            return ErrorKind.INVALID, f"request id {request.request_id} is already in use"
         if request.num_prompt_tokens == 0:
-            return "the prompt is empty"
+            return ErrorKind.INVALID, "the prompt is empty"
         limit = self.model.max_model_len
         if request.num_prompt_tokens >= limit:
-            return f"the prompt has {request.num_prompt_tokens} tokens; this model's context is {limit} tokens"
-        if self.kv.num_blocks_for(min(limit, request.num_prompt_tokens + 1)) > self.kv.num_blocks:
+            return ErrorKind.INVALID, (
+                f"the prompt has {request.num_prompt_tokens} tokens; this model's context length is {limit} tokens"
+            )
+        if self.kv.num_blocks_for(request.num_prompt_tokens + 1) > self.kv.num_blocks:
             return (
-                f"the prompt needs more KV blocks than the whole cache holds ({self.kv.num_blocks})"
+                ErrorKind.INVALID,
+                f"the prompt needs more KV blocks than the whole cache holds ({self.kv.num_blocks})",
+            )
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            return ErrorKind.OVERLOADED, (
+                f"the queue is full ({self.config.max_waiting_requests} waiting requests); retry later"
             )
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_for_workers)
+        return bool(len(self.waiting) or self.running or self._finished_for_workers)
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_budget
         num_scheduled: dict[str, int] = {}
-        new_data: list[NewRequestData] = []
         cached_data: list[CachedRequestData] = []
         preempted = False
 
+        # Most urgent first, so preemption victims (taken from the end) are never
+        # requests already scheduled in this step.
+        self.running.sort(key=self._urgency)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens_to_compute, budget)
+            n = self._num_new_tokens(request, budget)
             while not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
-                victim = self.running[-1]  # the latest admitted; never one scheduled already
+                victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
-                break  # the request itself was the only victim left
+                break  # the request itself was the least urgent one left
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             cached_data.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
@@ -106,21 +142,46 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while (
-            self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            n = min(request.num_tokens_to_compute, budget)
-            if not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
+        new_data: list[NewRequestData] = []
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_data)
+
+        finished, self._finished_for_workers = self._finished_for_workers, []
+        self._step_id += 1
+        self._last_num_scheduled = self._step_budget - budget
+        return SchedulerOutput(self._step_id, new_data, cached_data, num_scheduled, finished)
+
+    def _admit_waiting(
+        self, budget: int, num_scheduled: dict[str, int], new_data: list[NewRequestData]
+    ) -> int:
+        static = self.config.batching == "static"
+        if static and not self._open_static_batch():
+            return budget
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if static and self._static_quota == 0:
                 break
-            self.waiting.popleft()
-            self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+            request = self.waiting.peek()
+            extend_block_hashes(
+                request.block_hashes, request.token_ids, self.kv.block_size, request.cache_key_extra
+            )
+            hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            num_computed = len(hits) * self.kv.block_size
+            remaining = request.num_tokens - num_computed
+            n = min(remaining, budget, self._prefill_cap)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break  # the whole prompt must fit in this step
+            if not self.kv.can_allocate(request.request_id, num_computed + n, hits):
+                break
+            self.waiting.pop()
+            self.kv.allocate(request.request_id, num_computed + n, hits)
+            self.kv.record_lookup(request.num_tokens, num_computed)
+            request.num_computed_tokens = num_computed
+            if not request.first_output_sent:
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.sent_to_workers = True
             self.running.append(request)
+            self._static_quota = max(0, self._static_quota - 1)
             new_data.append(
                 NewRequestData(
                     request.request_id,
@@ -132,19 +193,40 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = n
             budget -= n
+        return budget
 
-        finished, self._finished_for_workers = self._finished_for_workers, []
-        self._step_id += 1
-        self._last_num_scheduled = sum(num_scheduled.values())
-        return SchedulerOutput(self._step_id, new_data, cached_data, num_scheduled, finished)
+    def _open_static_batch(self) -> bool:
+        """Static batching admits only into a forming batch: one opens when nothing
+        runs and either ``max_num_seqs`` requests wait or the first waited long enough."""
+        if self._static_quota > 0:
+            return True
+        if self.running or not len(self.waiting):
+            return False
+        now = self._clock()
+        waited = now - (now if self._static_wait_start is None else self._static_wait_start)
+        if (
+            len(self.waiting) < self.config.max_num_seqs
+            and waited < self.config.batch_wait_timeout_s
+        ):
+            return False
+        self._static_quota = min(len(self.waiting), self.config.max_num_seqs)
+        self._static_wait_start = None
+        return True
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens_to_compute, budget, self._prefill_cap)
+
+    def _urgency(self, request: Request) -> tuple[int, float]:
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return priority, request.arrival_time
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and send it back to the front of the queue."""
+        """Free the request's blocks and send it back to the waiting queue."""
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.readd_preempted(request)
         self._finished_for_workers.append(request.request_id)  # workers drop its state
         request.sent_to_workers = False
         self.num_preemptions_total += 1
@@ -155,16 +237,30 @@ class Scheduler:
     def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput) -> ClientOutputs:
         """Account computed tokens, append sampled ones, finish what should stop."""
         for request_id, n in step.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += n
+            request = self.requests[request_id]
+            request.num_computed_tokens += n
+            if self.kv.enable_prefix_caching:
+                extend_block_hashes(
+                    request.block_hashes,
+                    request.token_ids,
+                    self.kv.block_size,
+                    request.cache_key_extra,
+                )
+                self.kv.cache_full_blocks(
+                    request_id, request.block_hashes, request.num_computed_tokens
+                )
         outputs: ClientOutputs = {}
         for request_id, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
             request = self.requests[request_id]
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
             reason = self._stop_reason(request, token)
+            out = RequestOutput(request_id, [token], reason)
+            if not request.first_output_sent:
+                out.num_cached_tokens = request.num_cached_tokens
+                request.first_output_sent = True
             if reason is not None:
                 self._finish(request, reason)
-            out = RequestOutput(request_id, [token], reason)
             outputs.setdefault(request.client_id, []).append(out)
         return outputs
 
@@ -200,14 +296,14 @@ class Scheduler:
         for request in list(self.requests.values()):
             self._finish(request, FinishReason.ERROR)
             outputs.setdefault(request.client_id, []).append(
-                RequestOutput(request.request_id, [], FinishReason.ERROR, error)
+                RequestOutput(request.request_id, [], FinishReason.ERROR, error, ErrorKind.INTERNAL)
             )
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.kv.free(request.request_id)
         if request.sent_to_workers:
@@ -216,12 +312,17 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         logger.info(
-            "[%s] finished (%s): %d prompt + %d output tokens",
+            "[%s] finished (%s): %d prompt (%d cached) + %d output tokens",
             request.request_id,
             reason,
             request.num_prompt_tokens,
+            request.num_cached_tokens,
             request.num_output_tokens,
         )
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+        logger.info("prefix cache reset")
 
     # ------------------------------------------------------------------ stats
 
@@ -234,4 +335,7 @@ class Scheduler:
             num_tokens_scheduled=self._last_num_scheduled,
             num_requests_total=self.num_requests_total,
             num_generated_tokens_total=self.num_generated_tokens_total,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.kv.prefix_queries,
+            prefix_cache_hits_total=self.kv.prefix_hits,
         )

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from common.config import SchedulerConfig
 from common.messages import (
+    ErrorKind,
     FinishReason,
     ModelInfo,
     ModelRunnerOutput,
@@ -15,23 +16,43 @@ from engine_core.scheduler import Scheduler
 EOS = 2
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     max_num_seqs: int = 8,
     budget: int = 32,
     max_model_len: int = 256,
+    prefix_caching: bool = True,
+    clock: Clock | None = None,
+    **config: object,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-        KVCacheManager(num_blocks, block_size),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **config),  # type: ignore[arg-type]
+        KVCacheManager(num_blocks, block_size, prefix_caching),
         ModelInfo(max_model_len=max_model_len, vocab_size=100, eos_token_ids=[EOS]),
+        clock=clock or Clock(),
     )
 
 
-def req(rid: str, prompt_len: int, max_tokens: int = 4, **params: object) -> Request:
+def req(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    arrival: float = 0.0,
+    priority: int = 0,
+    first: int = 10,
+    **params: object,
+) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)  # type: ignore[arg-type]
-    return Request(rid, b"client", list(range(10, 10 + prompt_len)), sp, arrival_time=0.0)
+    return Request(rid, b"client", list(range(first, first + prompt_len)), sp, arrival, priority)
 
 
 def run_step(
@@ -129,7 +150,7 @@ def test_abort_frees_blocks_and_is_idempotent() -> None:
 
 
 def test_preemption_frees_the_latest_request_and_resumes_it_whole() -> None:
-    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64, prefix_caching=False)
     s.add_request(req("old", 4, max_tokens=8))
     s.add_request(req("new", 4, max_tokens=8))
     run_step(s)  # each holds one full block, plus their first sampled token
@@ -162,3 +183,114 @@ def test_unschedulable_prompt_is_rejected() -> None:
     assert "KV blocks" in (error.error or "")
     error = make_scheduler(max_model_len=10).add_request(req("long", 10))
     assert error is not None and "10 tokens" in (error.error or "")
+
+
+def test_long_prefill_cap_leaves_room_for_others() -> None:
+    s = make_scheduler(budget=32, long_prefill_token_threshold=8)
+    s.add_request(req("a", 20))
+    s.add_request(req("b", 20, first=40))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 8}
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
+    # Without chunking the step budget grows to the context length (24), as in vLLM.
+    s = make_scheduler(budget=8, max_model_len=24, enable_chunked_prefill=False)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 20, first=40))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 6}  # b does not fit in the 18 left
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 20}  # whole, never chunked
+
+
+def test_prefix_hit_on_admission_skips_cached_tokens() -> None:
+    s = make_scheduler(block_size=4)
+    s.add_request(req("a", 10))
+    run_step(s)
+    s.add_request(req("b", 10))  # the same prompt
+    out, _ = run_step(s)
+    (new,) = out.new_requests
+    assert (new.request_id, new.num_computed_tokens, new.block_ids[:2]) == ("b", 8, [0, 1])
+    assert out.num_scheduled_tokens["b"] == 2
+    stats = s.stats()
+    assert (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total) == (20, 8)
+
+
+def test_first_output_reports_cached_prompt_tokens() -> None:
+    s = make_scheduler(block_size=4)
+    s.add_request(req("a", 9))
+    run_step(s)
+    s.add_request(req("b", 9))
+    out = s.schedule()
+    result = s.update_from_output(out, ModelRunnerOutput(out.step_id, ["a", "b"], [50, 50]))
+    by_id = {o.request_id: o for o in result[b"client"]}
+    assert by_id["b"].num_cached_tokens == 8 and by_id["a"].num_cached_tokens == 0
+
+
+def test_priority_policy_orders_waiting_and_ages() -> None:
+    clock = Clock()
+    s = make_scheduler(
+        max_num_seqs=1, scheduling_policy="priority", priority_aging_s=10.0, clock=clock
+    )
+    s.add_request(req("low", 4, arrival=0.0, priority=5, max_tokens=1))
+    s.add_request(req("high", 4, arrival=1.0, priority=0, max_tokens=1, first=30))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["high"]
+    # "low" has waited 60 s (6 levels): it now beats a fresh priority-0 request.
+    s.add_request(req("fresh", 4, arrival=61.0, priority=0, max_tokens=1, first=60))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["low"]
+
+
+def test_preemption_victim_is_least_urgent_then_latest() -> None:
+    s = make_scheduler(
+        num_blocks=6, block_size=4, budget=64, prefix_caching=False, scheduling_policy="priority"
+    )
+    s.add_request(req("urgent-late", 4, arrival=2.0, priority=0, max_tokens=20))
+    s.add_request(req("lax-early", 4, arrival=0.0, priority=3, max_tokens=20, first=30))
+    s.add_request(req("lax-late", 4, arrival=1.0, priority=3, max_tokens=20, first=50))
+    run_step(s)
+    while s.num_preemptions_total == 0:
+        run_step(s)
+    assert [r.request_id for r in s.waiting] == ["lax-late"]
+    assert {r.request_id for r in s.running} == {"urgent-late", "lax-early"}
+
+
+def test_static_batching_waits_then_admits_nothing_until_done() -> None:
+    clock = Clock()
+    s = make_scheduler(max_num_seqs=4, batching="static", batch_wait_timeout_s=0.5, clock=clock)
+    s.add_request(req("a", 4, max_tokens=3))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {}  # the batch is still forming
+    clock.now = 0.6
+    s.add_request(req("b", 4, max_tokens=3, first=30))
+    out, _ = run_step(s)
+    assert sorted(out.num_scheduled_tokens) == ["a", "b"]
+    s.add_request(req("c", 4, max_tokens=3, first=50))
+    clock.now = 5.0
+    for _ in range(2):
+        out, _ = run_step(s)
+        assert "c" not in out.num_scheduled_tokens  # nobody joins a running batch
+    assert not s.running
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["c"]
+
+
+def test_static_batch_opens_at_once_when_full() -> None:
+    s = make_scheduler(max_num_seqs=2, batching="static", batch_wait_timeout_s=100.0)
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4, first=30))
+    s.add_request(req("c", 4, first=50))
+    out, _ = run_step(s)
+    assert sorted(out.num_scheduled_tokens) == ["a", "b"]
+
+
+def test_queue_limit_refuses_with_overloaded() -> None:
+    s = make_scheduler(max_waiting_requests=2)
+    assert s.add_request(req("a", 4)) is None
+    assert s.add_request(req("b", 4)) is None
+    refused = s.add_request(req("c", 4))
+    assert refused is not None and refused.error_kind == ErrorKind.OVERLOADED
+    assert "2 waiting" in (refused.error or "")
+    assert "c" not in s.requests
