@@ -14,8 +14,9 @@ from types import FrameType
 
 import uvicorn
 
-from api_server.app import CompletionService, create_app
+from api_server.app import create_app
 from api_server.client import EngineClient
+from api_server.generation import CompletionService
 from common.config import TandemConfig, parse_config
 from common.logs import setup_logging
 from common.model_files import resolve_model_dir

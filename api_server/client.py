@@ -30,19 +30,17 @@ from common.messages import (
     EngineOutput,
     EngineOutputs,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     ModelInfo,
     RequestOutput,
+    ResetPrefixCache,
     SchedulerStats,
 )
 
 logger = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 1.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; the message says why."""
 
 
 class EngineClient:
@@ -98,7 +96,10 @@ class EngineClient:
         """Send the request and yield its outputs until one carries a finish reason.
         Leaving early (client gone, stop string hit) aborts it in the engine."""
         if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+            yield RequestOutput(
+                request.request_id, [], FinishReason.ERROR, self.dead_reason, ErrorKind.INTERNAL
+            )
+            return
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request.request_id] = outputs
         finished = False
@@ -114,6 +115,9 @@ class EngineClient:
             del self._queues[request.request_id]
             if not finished:
                 self.abort_nowait([request.request_id])
+
+    def reset_prefix_cache(self) -> None:
+        self._send_queue.put_nowait(ResetPrefixCache())
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort; idempotent on the engine side."""
@@ -167,6 +171,8 @@ class EngineClient:
         self.dead_reason = reason
         self.ready = False
         for request_id, target in self._queues.items():
-            target.put_nowait(RequestOutput(request_id, [], FinishReason.ERROR, reason))
+            target.put_nowait(
+                RequestOutput(request_id, [], FinishReason.ERROR, reason, ErrorKind.INTERNAL)
+            )
         if self._on_dead is not None:
             self._on_dead(reason)

@@ -38,8 +38,12 @@ class CompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM's extension: output (and prompt) token ids in the response.
+    # vLLM's extensions: output (and prompt) token ids in the response; a scheduling
+    # priority (lower runs first, with --scheduling-policy priority); a salt that keeps
+    # this request's prefix-cache entries apart from other tenants'.
     return_token_ids: bool = False
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -73,11 +77,12 @@ def finish_reason_text(reason: FinishReason | None) -> str | None:
     return None if reason is None else str(reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -105,11 +105,13 @@ class ModelRunner:
     def warm_up(self) -> None:
         """One forward through every code path (prefill and decode) before serving."""
         params = SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0)
-        warm = NewRequestData("warmup", [0] * 4, params, [0], 0)
-        self.execute(SchedulerOutput(-2, [warm], [], {"warmup": 4}, []))
-        self.execute(
-            SchedulerOutput(-1, [], [CachedRequestData("warmup", [], 4)], {"warmup": 1}, [])
-        )
+        prompt_len = max(1, min(4, self.num_kv_blocks * self.block_size - 1))
+        blocks = list(range(min(self.num_kv_blocks, -(-(prompt_len + 1) // self.block_size))))
+        warm = NewRequestData("warmup", [0] * prompt_len, params, blocks, 0)
+        self.execute(SchedulerOutput(-2, [warm], [], {"warmup": prompt_len}, []))
+        if len(blocks) * self.block_size > prompt_len:
+            decode = CachedRequestData("warmup", [], prompt_len)
+            self.execute(SchedulerOutput(-1, [], [decode], {"warmup": 1}, []))
         self.requests.clear()
 
     @torch.inference_mode()

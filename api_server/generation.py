@@ -1,0 +1,150 @@
+"""The generation pipeline shared by every route: validate against the model, tokenize,
+send to the engine, detokenize incrementally and apply stop strings, as ``Piece``s."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from api_server.client import EngineClient
+from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from api_server.protocol import ErrorType, error_body, finish_reason_text
+from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+class EngineRequestError(Exception):
+    """The engine refused or failed a request."""
+
+    def __init__(self, message: str, kind: ErrorKind | None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def api_error(self) -> ApiError:
+        if self.kind == ErrorKind.INVALID:
+            return ApiError(400, str(self))
+        if self.kind == ErrorKind.OVERLOADED:
+            return ApiError(503, str(self), "server_error", code="queue_full")
+        return ApiError(503, str(self), "server_error")
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: ErrorType = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), self.status, headers=headers
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text produced by one engine output, and the finish reason on the last one."""
+
+    text: str
+    finish_reason: str | None
+    num_completion_tokens: int
+    token_ids: list[int]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class CompletionService:
+    """Everything the routes share: the tokenizer, the engine client, the model name."""
+
+    def __init__(self, served_model_name: str, tokenizer: Any, client: EngineClient) -> None:
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.client = client
+
+    def model_info(self) -> ModelInfo:
+        if self.client.is_dead:
+            raise ApiError(503, f"the engine is down: {self.client.dead_reason}", "server_error")
+        if not self.client.ready or self.client.model is None:
+            raise ApiError(503, "the model is still loading; retry shortly", "server_error")
+        return self.client.model
+
+    def tokenize(self, prompt: str | list[int], info: ModelInfo) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        bad = next((t for t in ids if t >= info.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"token id {bad} is outside the vocabulary (size {info.vocab_size})",
+                param="prompt",
+            )
+        return ids
+
+    @staticmethod
+    def completion_budget(num_prompt: int, max_tokens: int | None, info: ModelInfo) -> int:
+        limit = info.max_model_len
+        if num_prompt >= limit:
+            raise ApiError(
+                400,
+                f"the prompt has {num_prompt} tokens; this model's context length is {limit} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"this model's context length is {limit} tokens, but {num_prompt + max_tokens} were "
+                f"requested ({num_prompt} in the prompt, {max_tokens} for the completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    async def run(self, request: EngineRequest, stops: list[str]) -> AsyncGenerator[Piece, None]:
+        """Engine outputs -> text pieces; a stop string ends the request early."""
+        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
+        matcher = StopStringMatcher(stops)
+        num_tokens = 0
+        num_cached = 0
+        pending_ids: list[int] = []  # ids whose text is not complete yet
+        # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
+        async with aclosing(self.client.generate(request)) as outputs:
+            async for out in outputs:
+                if out.finish_reason == FinishReason.ERROR:
+                    raise EngineRequestError(
+                        out.error or "the engine failed this request", out.error_kind
+                    )
+                num_cached = max(num_cached, out.num_cached_tokens)
+                num_tokens += len(out.new_token_ids)
+                pending_ids += out.new_token_ids
+                text = matcher.push(detok.push(out.new_token_ids))
+                finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
+                if finish is not None and not matcher.hit:
+                    text += matcher.flush()
+                if text or finish is not None:
+                    yield Piece(text, finish, num_tokens, pending_ids, num_cached)
+                    pending_ids = []
+                if finish is not None:
+                    return
