@@ -40,7 +40,9 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) bench/concurrency.py
+	$(PY) -m bench.concurrency
+	$(PY) -m bench.prefix_cache
+	$(PY) -m bench.interference
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

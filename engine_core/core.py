@@ -95,6 +95,7 @@ class EngineCore:
     def step(self) -> None:
         assert self.scheduler is not None  # set in run()
         work = self.scheduler.schedule()
+        self._stats = self.scheduler.stats()  # heartbeats show this step's batch while it runs
         if not work.num_scheduled_tokens and not work.finished_request_ids:
             # Nothing could run (a static batch still forming): wait for input a moment.
             self._apply_inputs(block=True, timeout_s=_FORMING_WAIT_S)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from tests.parity.ties import assert_greedy_parity
+from tests.parity.ties import LogprobsFn, assert_greedy_parity
 from tests.stack import TandemStack
 from worker.attention import build_metadata
 from worker.models.loader import load_model
@@ -76,7 +76,7 @@ def baseline(smollm2_dir: Path) -> Iterator[tuple[list[list[int]], list[list[int
 
 
 @pytest.fixture(scope="module")
-def logprobs_fn(smollm2_dir: Path):  # type: ignore[no-untyped-def]
+def logprobs_fn(smollm2_dir: Path) -> LogprobsFn:
     model = load_model(smollm2_dir, torch.float32, torch.device("cpu"))
 
     @torch.no_grad()
@@ -92,7 +92,7 @@ def logprobs_fn(smollm2_dir: Path):  # type: ignore[no-untyped-def]
     return fn
 
 
-def assert_same(outputs: list[list[int]], reference: list[list[int]], fn) -> None:  # type: ignore[no-untyped-def]
+def assert_same(outputs: list[list[int]], reference: list[list[int]], fn: LogprobsFn) -> None:
     from transformers import AutoTokenizer
 
     from common.model_files import resolve_model_dir
@@ -102,7 +102,7 @@ def assert_same(outputs: list[list[int]], reference: list[list[int]], fn) -> Non
         assert_greedy_parity(tok.encode(SYSTEM + question + ASSISTANT), ours, ref, fn, fn)
 
 
-def test_prefix_cache_hits_change_nothing(baseline, logprobs_fn) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_cache_hits_change_nothing(baseline, logprobs_fn) -> None:
     first, second = baseline
     assert sum(len(o) for o in first) > 10 * len(first)  # real answers, not just EOS
     assert_same(second, first, logprobs_fn)
@@ -117,13 +117,13 @@ def test_prefix_cache_hits_change_nothing(baseline, logprobs_fn) -> None:  # typ
     ],
     ids=["prefix-cache-off", "budget-16", "budget-64"],
 )
-def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, logprobs_fn) -> None:  # type: ignore[no-untyped-def]
+def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, logprobs_fn) -> None:
     with TandemStack(*BASE, *flags) as stack:
         outputs = run_all(stack)
     assert_same(outputs, baseline[0], logprobs_fn)
 
 
-def test_preemption_changes_nothing(baseline, logprobs_fn) -> None:  # type: ignore[no-untyped-def]
+def test_preemption_changes_nothing(baseline, logprobs_fn) -> None:
     # Prompts of ~40 tokens take ~10 blocks of 4: 32 blocks admit three requests,
     # whose decodes then run out of blocks within a few tokens.
     flags = ("--block-size", "4", "--num-kv-blocks", "32", "--no-enable-prefix-caching")

@@ -1,0 +1,145 @@
+"""What every benchmark needs: a Tandem server of its own, timed streaming requests,
+percentiles, and a table plus JSON at the end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Timing:
+    """One streamed request: seconds from send to first token, between tokens, to end."""
+
+    ttft_s: float
+    itls_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Timing:
+    """POST a streaming completion and time every SSE chunk that carries text."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream(
+        "POST", f"{url}/v1/completions", json={"model": MODEL, **body, "stream": True}
+    ) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            stamps.append(time.perf_counter())
+            if "usage" in chunk:
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    itls = [b - a for a, b in itertools.pairwise(stamps)]
+    return Timing(stamps[0] - start, itls, end - start, tokens)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def tandem_server(*flags: str) -> Iterator[str]:
+    """``tandem serve`` with these flags on a free port; yields its URL."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("tandem serve did not become healthy")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    return path
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[str(h) for h in headers]] + [
+        [f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for i, row in enumerate(cells):
+        print(
+            "  ".join(
+                c.rjust(w) if j else c.ljust(w)
+                for j, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
