@@ -13,9 +13,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,8 @@ from starlette.routing import Route
 from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece
 from api_server.protocol import (
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     completion_chunk,
     error_body,
     now,
@@ -33,6 +35,8 @@ from api_server.protocol import (
 from common.messages import EngineRequest
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -51,22 +55,50 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 def create_app(service: CompletionService) -> Starlette:
-    async def completions(request: Request) -> Response:
+    async def parse(request: Request, schema: type[T]) -> T:
+        """The body as ``schema``: 400 for bad JSON, 422 naming a bad field, 404 for
+        another model's name."""
         body = await _json_body(request)
         try:
-            req = CompletionRequest.model_validate(body)
+            req = schema.model_validate(body)
         except ValidationError as e:
             message, param = validation_error_param(e)
             raise ApiError(422, message, param=param) from None
-        if req.model != service.served_model_name:
+        model = getattr(req, "model", service.served_model_name)
+        if model != service.served_model_name:
             raise ApiError(
                 404,
-                f"model '{req.model}' does not exist; this server serves "
-                f"'{service.served_model_name}'",
+                f"model '{model}' does not exist; this server serves '{service.served_model_name}'",
                 "not_found_error",
                 "model",
                 "model_not_found",
             )
+        return req
+
+    async def tokenize(request: Request) -> Response:
+        req = await parse(request, TokenizeRequest)
+        tokens = service.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        info = service.client.model
+        return JSONResponse(
+            {
+                "tokens": tokens,
+                "count": len(tokens),
+                "max_model_len": info.max_model_len if info else None,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        req = await parse(request, DetokenizeRequest)
+        vocab = len(service.tokenizer)
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"token id {bad} is outside the vocabulary (size {vocab})", param="tokens"
+            )
+        return JSONResponse({"prompt": service.tokenizer.decode(req.tokens)})
+
+    async def completions(request: Request) -> Response:
+        req = await parse(request, CompletionRequest)
         info = service.model_info()
         prompt_ids = service.tokenize(req.prompt, info)
         max_tokens = service.completion_budget(len(prompt_ids), req.max_tokens, info)
@@ -248,6 +280,8 @@ def create_app(service: CompletionService) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),

@@ -24,6 +24,17 @@ class StreamOptions(_Strict):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+class TokenizeRequest(_Strict):
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class CompletionRequest(_Strict):
     model: str
     prompt: str | TokenIds

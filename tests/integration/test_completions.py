@@ -171,3 +171,20 @@ def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack
     stats = wait_idle(server.url)
     assert stats["cache_usage"] == 0.0
     assert stats["num_kv_blocks_total"] > 0
+
+
+def test_tokenize_and_detokenize_round_trip(server: TandemStack) -> None:
+    r = httpx.post(
+        f"{server.url}/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert (
+        body["tokens"] == [504, 3575, 282, 4649, 314]
+        and body["count"] == 5
+        and body["max_model_len"] == 8192
+    )
+    r = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert r.json() == {"prompt": "The capital of France is"}
+    r = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
