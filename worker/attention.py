@@ -13,7 +13,7 @@ call with a causal mask offset by the tokens already in the cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,24 @@ class PrefillChunk:
     token_end: int
     context_start: int
     kv_slots: torch.Tensor  # [context_start + chunk_len]
-    mask: torch.Tensor | None  # [chunk_len, context_len] bool; None = plain causal
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, compare=False)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[chunk_len, context_len] bool (True = attend); None = plain causal."""
+        if window not in self._masks:
+            end = self.context_start + self.token_end - self.token_start
+            if self.context_start == 0 and (window is None or window >= end):
+                self._masks[window] = None
+            else:
+                query_pos = torch.arange(
+                    self.context_start, end, device=self.kv_slots.device
+                ).unsqueeze(1)
+                key_pos = torch.arange(end, device=self.kv_slots.device).unsqueeze(0)
+                allowed = key_pos <= query_pos
+                if window is not None:
+                    allowed &= key_pos > query_pos - window
+                self._masks[window] = allowed
+        return self._masks[window]
 
 
 @dataclass(frozen=True)
@@ -38,8 +55,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot written by each token
     decode_token_indices: torch.Tensor | None  # [num_decodes]
     decode_kv_slots: torch.Tensor | None  # [num_decodes, max_context]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    decode_valid: torch.Tensor | None  # [num_decodes, max_context] bool: slot holds context
+    decode_positions: torch.Tensor | None  # [num_decodes]: each query's position
     prefills: tuple[PrefillChunk, ...]
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_context] bool, computed once per window per step."""
+        assert self.decode_valid is not None and self.decode_positions is not None  # decodes exist
+        if window not in self._decode_masks:
+            allowed = self.decode_valid
+            if window is not None:
+                key_pos = torch.arange(allowed.shape[1], device=allowed.device).unsqueeze(0)
+                allowed = allowed & (key_pos > self.decode_positions.unsqueeze(1) - window)
+            self._decode_masks[window] = allowed[:, None, None, :]
+        return self._decode_masks[window]
 
 
 def build_metadata(
@@ -64,19 +94,13 @@ def build_metadata(
             decode_indices.append(token_start)
             decode_rows.append(slots)
         else:
-            mask = None
-            if start > 0:
-                query_pos = torch.arange(start, end).unsqueeze(1)
-                mask = torch.arange(end).unsqueeze(0) <= query_pos
             prefills.append(
-                PrefillChunk(
-                    token_start, token_start + length, start, slots.to(device), _to(mask, device)
-                )
+                PrefillChunk(token_start, token_start + length, start, slots.to(device))
             )
         token_start += length
     slot_mapping = torch.cat(slot_rows).to(device)
     if not decode_rows:
-        return AttentionMetadata(slot_mapping, None, None, None, tuple(prefills))
+        return AttentionMetadata(slot_mapping, None, None, None, None, tuple(prefills))
     max_len = max(len(r) for r in decode_rows)
     padded = torch.zeros(len(decode_rows), max_len, dtype=torch.long)
     valid = torch.zeros(len(decode_rows), max_len, dtype=torch.bool)
@@ -87,7 +111,10 @@ def build_metadata(
         slot_mapping=slot_mapping,
         decode_token_indices=torch.tensor(decode_indices, dtype=torch.long, device=device),
         decode_kv_slots=padded.to(device),
-        decode_mask=valid[:, None, None, :].to(device),
+        decode_valid=valid.to(device),
+        decode_positions=torch.tensor(
+            [len(r) - 1 for r in decode_rows], dtype=torch.long, device=device
+        ),
         prefills=tuple(prefills),
     )
 
@@ -101,10 +128,6 @@ def _slots_for(block_ids: list[int], num_tokens: int, block_size: int) -> torch.
     return slots[:num_tokens]
 
 
-def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
-
-
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -112,21 +135,19 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns ``[num_tokens, heads, dim]``."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     if meta.decode_token_indices is not None:
         assert meta.decode_kv_slots is not None  # built together
         qd = q.index_select(0, meta.decode_token_indices).unsqueeze(2)  # [n, H, 1, D]
         kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [n, KVH, L, D]
         vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
+        od = _attend(qd, kd, vd, meta.decode_mask(window), scale)
         out.index_copy_(0, meta.decode_token_indices, od.squeeze(2))
     for chunk in meta.prefills:
         qp = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
@@ -134,14 +155,16 @@ def paged_attention(
             kp, vp = k[chunk.token_start : chunk.token_end], v[chunk.token_start : chunk.token_end]
         else:
             kp, vp = k_cache[chunk.kv_slots], v_cache[chunk.kv_slots]
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp.transpose(0, 1),
-            vp.transpose(0, 1),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        op = _attend(qp, kp.transpose(0, 1), vp.transpose(0, 1), chunk.mask(window), scale)
         out[chunk.token_start : chunk.token_end] = op.transpose(0, 1)
     return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``[..., H, q, D]`` x ``[..., KVH, L, D]``; ``mask`` True = attend, None = causal."""
+    gqa = q.shape[-3] != k.shape[-3]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    )

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """Llama-style: normalize in float32, cast back, then scale by ``weight``."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -19,29 +25,89 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE; cos/sin computed in float32 per position, as transformers does."""
+class GemmaRMSNorm(nn.Module):
+    """Gemma-style: scale by ``1 + weight`` in float32, then cast back."""
 
-    def __init__(self, head_dim: int, base: float) -> None:
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.head_dim, self.base = head_dim, base
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE of one kind of layer: base, and the scaling a checkpoint asks for."""
+
+    theta: float
+    scaling: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_params(params: dict[str, Any], default_theta: float = 10000.0) -> RopeSpec:
+        """From a ``rope_parameters`` / ``rope_scaling`` dict (either transformers era)."""
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
+        return RopeSpec(
+            theta=float(params.get("rope_theta", default_theta)),
+            scaling=kind,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+    def inv_freq(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        exponents = (
+            torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        )
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.scaling == "linear":
+            return inv_freq / self.factor
+        if self.scaling == "llama3":
+            return self._llama3(inv_freq)
+        return inv_freq
+
+    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen = old_len / self.low_freq_factor
+        high_freq_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per position, computed in float32 as transformers does."""
+
+    def __init__(self, head_dim: int, spec: RopeSpec) -> None:
+        super().__init__()
+        self.head_dim, self.spec = head_dim, spec
         # A plain attribute, not a buffer: models are built on the meta device and this
         # must stay float32 whatever dtype the weights take.
         self._inv_freq: torch.Tensor | None = None
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if self._inv_freq is None or self._inv_freq.device != device:
-            exponents = (
-                torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
-                / self.head_dim
-            )
-            self._inv_freq = 1.0 / (self.base**exponents)
-        return self._inv_freq
-
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = self.spec.inv_freq(self.head_dim, positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -53,12 +119,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+_ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (tanh gelu)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} is not supported ({', '.join(_ACTIVATIONS)} are)"
+            )
+        self.act = _ACTIVATIONS[activation]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,4 +1,4 @@
-"""Our Llama against transformers' on a tiny random checkpoint, in float32: the same
+"""Each family against transformers on a tiny random checkpoint, in float32: the same
 logits (max abs diff < 1e-4) whatever the batch, chunking or block placement."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import PreTrainedModel
 
+from tests.parity.families import FAMILIES, WINDOW, build
 from worker.attention import build_metadata
 from worker.models.loader import load_model
 
@@ -16,29 +17,22 @@ BLOCK = 4
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel]:
+    path = tmp_path_factory.mktemp(request.param)
+    return path, build(request.param, path)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+@pytest.fixture
+def checkpoint(family: tuple[Path, PreTrainedModel]) -> Path:
+    return family[0]
+
+
+@pytest.fixture
+def reference(family: tuple[Path, PreTrainedModel]) -> PreTrainedModel:
+    return family[1]
 
 
 class Paged:
@@ -72,7 +66,7 @@ class Paged:
         return list(torch.split(logits, [s[3] for s in seqs]))
 
 
-def ref_logits(reference: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+def ref_logits(reference: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return reference(torch.tensor([tokens])).logits[0]
 
@@ -81,13 +75,13 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(0, 128, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_one_sequence(checkpoint: Path, reference: LlamaForCausalLM) -> None:
+def test_one_sequence(checkpoint: Path, reference: PreTrainedModel) -> None:
     tokens = prompt(1, 13)
     (ours,) = Paged(checkpoint).step([(tokens, [0, 1, 2, 3], 0, 13)])
     assert (ours - ref_logits(reference, tokens)).abs().max() < TOL
 
 
-def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: LlamaForCausalLM) -> None:
+def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: PreTrainedModel) -> None:
     paged = Paged(checkpoint)
     a, b, c = prompt(2, 9), prompt(3, 5), prompt(4, 17)
     paged.step([(a, [10, 11, 12], 0, 8), (b, [20, 21], 0, 4)])  # a and b partly prefilled
@@ -100,7 +94,7 @@ def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: LlamaF
     assert (lc - ref_logits(reference, c)).abs().max() < TOL
 
 
-def test_prompt_prefilled_in_three_chunks(checkpoint: Path, reference: LlamaForCausalLM) -> None:
+def test_prompt_prefilled_in_three_chunks(checkpoint: Path, reference: PreTrainedModel) -> None:
     tokens = prompt(5, 23)
     paged = Paged(checkpoint)
     blocks = [7, 3, 9, 1, 5, 2]
@@ -109,7 +103,7 @@ def test_prompt_prefilled_in_three_chunks(checkpoint: Path, reference: LlamaForC
 
 
 def test_twenty_decode_steps_over_scattered_blocks(
-    checkpoint: Path, reference: LlamaForCausalLM
+    checkpoint: Path, reference: PreTrainedModel
 ) -> None:
     tokens = prompt(6, 7)
     blocks = [41, 3, 17, 60, 8, 29, 50]  # deliberately non-contiguous and unordered
@@ -121,3 +115,24 @@ def test_twenty_decode_steps_over_scattered_blocks(
         tokens = [*tokens, int(ref.argmax())]
         (logits,) = paged.step([(tokens, blocks, len(tokens) - 1, 1)])
     assert (logits[-1] - ref_logits(reference, tokens)[-1]).abs().max() < TOL
+
+
+def test_long_sequences_past_the_sliding_window(
+    checkpoint: Path, reference: PreTrainedModel
+) -> None:
+    """Longer than Gemma3's window (8), prefilled in chunks then decoded, in a batch."""
+    tokens, other = prompt(7, 5 * WINDOW), prompt(8, 3 * WINDOW + 3)
+    paged = Paged(checkpoint)
+    blocks_a, blocks_b = list(range(40, 52)), list(range(20, 30))
+    a1, b1 = paged.step([(tokens, blocks_a, 0, 2 * WINDOW + 1), (other, blocks_b, 0, len(other))])
+    (a2,) = paged.step([(tokens, blocks_a, 2 * WINDOW + 1, len(tokens) - 2 * WINDOW - 1)])
+    assert (torch.cat([a1, a2]) - ref_logits(reference, tokens)).abs().max() < TOL
+    assert (b1 - ref_logits(reference, other)).abs().max() < TOL
+    for _ in range(6):
+        tokens = [*tokens, int(ref_logits(reference, tokens)[-1].argmax())]
+        other = [*other, int(ref_logits(reference, other)[-1].argmax())]
+        la, lb = paged.step(
+            [(tokens, blocks_a, len(tokens) - 1, 1), (other, blocks_b, len(other) - 1, 1)]
+        )
+        assert (la[-1] - ref_logits(reference, tokens)[-1]).abs().max() < TOL
+        assert (lb[-1] - ref_logits(reference, other)[-1]).abs().max() < TOL

@@ -1,10 +1,10 @@
-"""Greedy outputs through the HTTP server (float32) equal transformers' generate on the
-GGUF weights, one request at a time and all at once."""
+"""Greedy outputs of the embedded real models through the HTTP server (float32) equal
+transformers' generate on the same GGUF weights, one request at a time and all at once."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,24 +12,48 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from common.model_files import EMBEDDED_MODELS, find_embedded_gguf
+from common.model_files import EMBEDDED_MODELS, find_embedded_gguf, resolve_model_dir
 from tests.parity.ties import assert_greedy_parity
 from tests.stack import TandemStack, completion
 from worker.attention import build_metadata
 from worker.models.loader import load_model
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Here is a short poem about the sea:\n",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
-]
-MAX_TOKENS = 48
+PROMPTS = {
+    "smollm2-135m-instruct": [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Here is a short poem about the sea:\n",
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    ],
+    "gemma-3-270m": [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+        "The three primary colours are",
+    ],
+}
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module", params=sorted(PROMPTS))
+def model_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[Any, PreTrainedModel]:
-    gguf = find_embedded_gguf(EMBEDDED_MODELS["smollm2-135m-instruct"])
+def served_url(model_name: str, server: TandemStack) -> Iterator[str]:
+    if model_name == "smollm2-135m-instruct":
+        yield server.url  # the shared float32 stack
+        return
+    with TandemStack("--model", model_name, "--dtype", "float32") as stack:
+        yield stack.url
+
+
+@pytest.fixture(scope="module")
+def reference(
+    model_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, PreTrainedModel]:
+    gguf = find_embedded_gguf(EMBEDDED_MODELS[model_name], tmp_path_factory.mktemp("gguf"))
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -38,10 +62,12 @@ def reference() -> tuple[Any, PreTrainedModel]:
 
 
 @pytest.fixture(scope="module")
-def expected(reference: tuple[Any, PreTrainedModel]) -> list[tuple[list[int], list[int]]]:
+def expected(
+    model_name: str, reference: tuple[Any, PreTrainedModel]
+) -> list[tuple[list[int], list[int]]]:
     tok, model = reference
     out = []
-    for text in PROMPTS:
+    for text in PROMPTS[model_name]:
         ids = tok(text, return_tensors="pt").input_ids
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)  # type: ignore[operator]
@@ -50,9 +76,9 @@ def expected(reference: tuple[Any, PreTrainedModel]) -> list[tuple[list[int], li
 
 
 @pytest.fixture(scope="module")
-def logprob_fns(reference: tuple[Any, PreTrainedModel], smollm2_dir: Path) -> tuple[Any, Any]:
+def logprob_fns(model_name: str, reference: tuple[Any, PreTrainedModel]) -> tuple[Any, Any]:
     _, ref_model = reference
-    ours = load_model(smollm2_dir, torch.float32, torch.device("cpu"))
+    ours = load_model(resolve_model_dir(model_name), torch.float32, torch.device("cpu"))
 
     @torch.no_grad()
     def ref_fn(ids: list[int]) -> torch.Tensor:
@@ -71,34 +97,36 @@ def logprob_fns(reference: tuple[Any, PreTrainedModel], smollm2_dir: Path) -> tu
     return ours_fn, ref_fn
 
 
-def served(url: str, prompt: list[int]) -> list[int]:
-    out = completion(url, prompt, max_tokens=MAX_TOKENS, temperature=0, return_token_ids=True)
+def served(url: str, model: str, prompt: list[int]) -> list[int]:
+    out = completion(
+        url, prompt, model=model, max_tokens=MAX_TOKENS, temperature=0, return_token_ids=True
+    )
     ids: list[int] = out["choices"][0]["token_ids"]
     return ids
 
 
 def test_one_after_another(
-    server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]
+    served_url: str, model_name: str, expected: list[Any], logprob_fns: tuple[Any, Any]
 ) -> None:
     for prompt, ref in expected:
-        assert_greedy_parity(prompt, served(server.url, prompt), ref, *logprob_fns)
+        assert_greedy_parity(prompt, served(served_url, model_name, prompt), ref, *logprob_fns)
 
 
 def test_all_at_once(
-    server: TandemStack, expected: list[Any], logprob_fns: tuple[Any, Any]
+    served_url: str, model_name: str, expected: list[Any], logprob_fns: tuple[Any, Any]
 ) -> None:
     async def send_all() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=120) as client:
 
             async def one(prompt: list[int]) -> list[int]:
                 body = {
-                    "model": "smollm2-135m-instruct",
+                    "model": model_name,
                     "prompt": prompt,
                     "max_tokens": MAX_TOKENS,
                     "temperature": 0,
                     "return_token_ids": True,
                 }
-                r = await client.post(f"{server.url}/v1/completions", json=body)
+                r = await client.post(f"{served_url}/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 return list(r.json()["choices"][0]["token_ids"])
 
