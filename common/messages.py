@@ -67,10 +67,24 @@ class SamplingParams(_Wire):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; over prompt and output tokens
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    logprobs: int | None = None  # top-k logprobs per sampled token; 0 = only its own
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class TokenLogprobs(_Wire):
+    """Log-probability of a sampled token under the model's raw distribution, and the
+    ``k`` most likely tokens with theirs."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 # ---------------------------------------------------------------- api_server -> engine
@@ -113,6 +127,7 @@ class RequestOutput(_Wire):
     error: str | None = None
     error_kind: ErrorKind | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
 
 
 class SchedulerStats(_Wire):
@@ -195,6 +210,7 @@ class NewRequestData(_Wire):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int = 0  # of token_ids; the rest were generated before a preemption
 
 
 class CachedRequestData(_Wire):
@@ -225,6 +241,7 @@ class ModelRunnerOutput(_Wire, tag=True):
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids, when any asked
 
 
 class WorkerFailed(_Wire, tag=True):

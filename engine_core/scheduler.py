@@ -189,6 +189,7 @@ class Scheduler:
                     request.sampling_params,
                     list(self.kv.blocks_of(request.request_id)),
                     request.num_computed_tokens,
+                    request.num_prompt_tokens,
                 )
             )
             num_scheduled[request.request_id] = n
@@ -250,12 +251,15 @@ class Scheduler:
                     request_id, request.block_hashes, request.num_computed_tokens
                 )
         outputs: ClientOutputs = {}
-        for request_id, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
+        logprobs = result.logprobs or [None] * len(result.request_ids)
+        for request_id, token, lp in zip(
+            result.request_ids, result.sampled_token_ids, logprobs, strict=True
+        ):
             request = self.requests[request_id]
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
             reason = self._stop_reason(request, token)
-            out = RequestOutput(request_id, [token], reason)
+            out = RequestOutput(request_id, [token], reason, logprobs=None if lp is None else [lp])
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
                 request.first_output_sent = True

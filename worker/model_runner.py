@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RequestState:
     token_ids: list[int]
+    num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
@@ -159,12 +160,17 @@ class ModelRunner:
                     (state.sampling_params.seed * 1_000_003 + position) % (1 << 63)
                 )
         batch = SamplingBatch.build(
-            [s.sampling_params for s in states], [s.generator for s in states], self.device
+            [s.sampling_params for s in states],
+            [s.generator for s in states],
+            self.device,
+            token_ids=[s.token_ids for s in states],
+            num_prompt_tokens=[s.num_prompt_tokens for s in states],
+            vocab_size=logits.shape[-1],
         )
-        sampled: list[int] = sample(logits, batch).tolist()
-        for state, token in zip(states, sampled, strict=True):
+        result = sample(logits, batch)
+        for state, token in zip(states, result.token_ids, strict=True):
             state.token_ids.append(token)
-        return ModelRunnerOutput(step.step_id, sample_ids, sampled)
+        return ModelRunnerOutput(step.step_id, sample_ids, result.token_ids, result.logprobs)
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
@@ -174,6 +180,7 @@ class ModelRunner:
             generator = None if seed is None else torch.Generator(device=self.device)
             self.requests[new.request_id] = RequestState(
                 token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids),
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,

@@ -1,8 +1,10 @@
-"""Vectorized sampling: greedy, temperature, top-k, top-p and per-request seeds.
+"""Vectorized sampling over the batch.
 
-Random draws use the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``
-equals a draw from ``p``), so a seeded request draws its noise from its own generator
-and its samples do not depend on what else is in the batch.
+Order, as in vLLM: log-probabilities of the raw logits (what ``logprobs`` reports) ->
+repetition / presence / frequency penalties -> greedy rows take the argmax -> temperature
+-> min-p, top-k, top-p masks -> a random draw. Draws use the exponential-race trick
+(``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw from ``p``), so a seeded request draws
+its noise from its own generator and its samples do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import SamplingParams
+from common.messages import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,14 @@ class SamplingBatch:
     temperature: torch.Tensor  # [n]; 0 = greedy
     top_k: torch.Tensor  # [n] long; 0 = off
     top_p: torch.Tensor  # [n]
+    min_p: torch.Tensor  # [n]; 0 = off
+    repetition_penalty: torch.Tensor  # [n]; 1 = off
+    presence_penalty: torch.Tensor  # [n]
+    frequency_penalty: torch.Tensor  # [n]
+    output_counts: torch.Tensor | None  # [n, vocab]: how often each token was generated
+    seen_mask: torch.Tensor | None  # [n, vocab]: in the prompt or the output
     generators: tuple[torch.Generator | None, ...]
+    num_logprobs: tuple[int | None, ...]  # per row: top-k logprobs wanted (None = none)
     all_greedy: bool
 
     @staticmethod
@@ -29,53 +38,140 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         device: torch.device,
+        token_ids: list[list[int]] | None = None,
+        num_prompt_tokens: list[int] | None = None,
+        vocab_size: int = 0,
     ) -> SamplingBatch:
+        """``token_ids`` / ``num_prompt_tokens`` (each row's tokens so far and how many are
+        prompt) are needed only when some row uses a penalty."""
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        counts = seen = None
+        if any(_has_penalty(p) for p in params):
+            if token_ids is None or num_prompt_tokens is None or vocab_size <= 0:
+                raise ValueError(
+                    "penalties need each row's token ids, prompt length and the vocabulary size"
+                )
+            counts, seen = _token_counts(token_ids, num_prompt_tokens, vocab_size, device)
         return SamplingBatch(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=device
-            ),
+            temperature=column([p.temperature for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_p=column([p.top_p for p in params]),
+            min_p=column([p.min_p for p in params]),
+            repetition_penalty=column([p.repetition_penalty for p in params]),
+            presence_penalty=column([p.presence_penalty for p in params]),
+            frequency_penalty=column([p.frequency_penalty for p in params]),
+            output_counts=counts,
+            seen_mask=seen,
             generators=tuple(generators),
+            num_logprobs=tuple(p.logprobs for p in params),
             all_greedy=all(p.greedy for p in params),
         )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``logits``: [n, vocab] -> sampled token ids [n]."""
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _token_counts(
+    token_ids: list[list[int]], num_prompt: list[int], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output-token counts and the prompt-or-output mask, by scatter over padded rows."""
+    width = max(1, max(len(t) for t in token_ids))
+    ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    is_output = torch.zeros(len(token_ids), width)
+    is_any = torch.zeros(len(token_ids), width)
+    for row, (tokens, prompt_len) in enumerate(zip(token_ids, num_prompt, strict=True)):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        is_output[row, prompt_len : len(tokens)] = 1.0
+        is_any[row, : len(tokens)] = 1.0
+    ids, is_output, is_any = ids.to(device), is_output.to(device), is_any.to(device)
+    counts = torch.zeros(len(token_ids), vocab, device=device).scatter_add_(1, ids, is_output)
+    seen = torch.zeros(len(token_ids), vocab, device=device).scatter_add_(1, ids, is_any) > 0
+    return counts, seen
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # empty when no row asked
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """``logits``: [n, vocab] -> one token per row (and logprobs where asked)."""
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy_ids
-    greedy = batch.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    logits = _apply_top_k_top_p(logits / temperature[:, None], batch.top_k, batch.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in enumerate(batch.generators):
-        if generator is not None:  # seeded rows redraw from their own stream
-            noise[row].exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, greedy_ids, sampled)
+    raw = logits
+    if batch.output_counts is not None:
+        logits = _apply_penalties(logits, batch)
+    tokens = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        greedy = batch.temperature == 0
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        scaled = _mask_outside_top_k_top_p_min_p(logits / temperature[:, None], batch)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in enumerate(batch.generators):
+            if generator is not None:  # seeded rows redraw from their own stream
+                noise[row].exponential_(generator=generator)
+        tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
+    token_list: list[int] = tokens.tolist()
+    return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and outside its top-p nucleus."""
-    if bool((top_k == 0).all()) and bool((top_p >= 1.0).all()):
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.output_counts is not None and batch.seen_mask is not None  # built together
+    rep = batch.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(batch.seen_mask, penalized, logits)
+    logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+    return logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
+
+
+def _mask_outside_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, its top-p nucleus, and those
+    less likely than ``min_p`` times the most likely token."""
+    if bool((batch.min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        too_rare = probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_rare, float("-inf"))
+    if bool((batch.top_k == 0).all()) and bool((batch.top_p >= 1.0).all()):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    remove = ranks >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    k = torch.where(
+        batch.top_k > 0, batch.top_k.clamp(max=vocab), torch.full_like(batch.top_k, vocab)
+    )
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
     # before it already reaches top_p (the first token is always kept).
     mass_before = probs.cumsum(dim=-1) - probs
-    remove = mass_before >= top_p[:, None]
+    remove = mass_before >= batch.top_p[:, None]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, wanted: tuple[int | None, ...]
+) -> list[TokenLogprobs | None]:
+    if all(w is None for w in wanted):
+        return []
+    logprobs = torch.log_softmax(raw, dim=-1)
+    sampled: list[float] = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    k = max(w or 0 for w in wanted)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    out: list[TokenLogprobs | None] = []
+    for row, w in enumerate(wanted):
+        if w is None:
+            out.append(None)
+        elif w == 0 or top_ids is None or top_values is None:
+            out.append(TokenLogprobs(sampled[row], [], []))
+        else:
+            out.append(
+                TokenLogprobs(sampled[row], top_ids[row, :w].tolist(), top_values[row, :w].tolist())
+            )
+    return out

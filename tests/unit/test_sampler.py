@@ -1,51 +1,149 @@
+"""The sampler, checked statistically with fixed seeds: each parameter changes the
+distribution as documented, and a seeded request samples the same alone or in a batch."""
+
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from common.messages import SamplingParams
 from worker.sampler import SamplingBatch, sample
 
-
-def batch(params: list[SamplingParams], seeded: bool = True) -> SamplingBatch:
-    gens: list[torch.Generator | None] = []
-    for i, p in enumerate(params):
-        gens.append(
-            torch.Generator().manual_seed(p.seed if p.seed is not None else i) if seeded else None
-        )
-    return SamplingBatch.build(params, gens, torch.device("cpu"))
+N = 20000
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
 
-def logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+def draw(
+    logits: torch.Tensor,
+    n: int = N,
+    seen: list[int] | None = None,
+    outputs: list[int] | None = None,
+    **params: float,
+) -> torch.Tensor:
+    """Empirical distribution of ``n`` draws from one row of logits."""
+    torch.manual_seed(1234)
+    p = SamplingParams(**params)  # type: ignore[arg-type]
+    prompt = seen or []
+    output = outputs or []
+    batch = SamplingBatch.build(
+        [p] * n,
+        [None] * n,
+        torch.device("cpu"),
+        token_ids=[prompt + output] * n,
+        num_prompt_tokens=[len(prompt)] * n,
+        vocab_size=logits.shape[-1],
+    )
+    tokens = torch.tensor(sample(logits.expand(n, -1).contiguous(), batch).token_ids)
+    return torch.bincount(tokens, minlength=logits.shape[-1]).float() / n
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().sum() / 2)
+
+
+def entropy(p: torch.Tensor) -> float:
+    return float(-(p[p > 0] * p[p > 0].log()).sum())
 
 
 def test_greedy_is_argmax() -> None:
-    x = logits(4)
-    assert torch.equal(sample(x, batch([SamplingParams(temperature=0.0)] * 4)), x.argmax(-1))
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    batch = SamplingBatch.build(
+        [SamplingParams(temperature=0.0)] * 4, [None] * 4, torch.device("cpu")
+    )
+    assert sample(x, batch).token_ids == x.argmax(-1).tolist()
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
-    x = logits(3)
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_draws_follow_softmax_at_temperature(temperature: float) -> None:
+    logits = PROBS.log()
+    expected = torch.softmax(logits / temperature, -1)
+    assert tv(draw(logits, temperature=temperature), expected) < 0.02
+
+
+def test_temperature_raises_entropy() -> None:
+    logits = PROBS.log()
+    h = [entropy(draw(logits, temperature=t)) for t in (0.3, 1.0, 3.0)]
+    assert h[0] < h[1] < h[2]
+
+
+def test_top_k_keeps_exactly_the_k_most_likely() -> None:
+    got = draw(PROBS.log(), top_k=2)
+    assert got[2:].sum() == 0
+    assert tv(got, torch.tensor([0.625, 0.375, 0, 0])) < 0.02
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    got = draw(PROBS.log(), top_p=0.7)  # 0.5 < 0.7 <= 0.8: tokens 0 and 1
+    assert got[2:].sum() == 0 and tv(got, torch.tensor([0.625, 0.375, 0, 0])) < 0.02
+    got = draw(PROBS.log(), top_p=0.85)
+    assert got[3] == 0 and got[2] > 0.1
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    got = draw(PROBS.log(), min_p=0.2)  # threshold 0.1: token 3 (0.05) goes
+    assert got[3] == 0 and tv(got, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95) < 0.02
+
+
+def test_repetition_penalty_discourages_seen_tokens() -> None:
+    logits = torch.ones(8)
+    got = draw(logits, seen=[0, 1], repetition_penalty=2.0)  # seen logits 1 -> 0.5
+    weights = torch.tensor([math.exp(0.5)] * 2 + [math.e] * 6)
+    assert tv(got, weights / weights.sum()) < 0.02
+
+
+def test_repetition_penalty_pushes_negative_logits_down() -> None:
+    logits = torch.tensor([-1.0, -1.5])
+    assert (
+        draw(logits, n=1, seen=[0], temperature=0.0, repetition_penalty=2.0).argmax() == 1
+    )  # -1 -> -2
+
+
+def test_frequency_and_presence_penalties_scale_with_output_counts() -> None:
+    logits = torch.zeros(6)
+    outputs = [0, 0, 0, 1]  # token 0 three times, token 1 once; prompt tokens do not count
+    got = draw(logits, seen=[2, 2], outputs=outputs, frequency_penalty=0.5, presence_penalty=0.25)
+    weights = torch.tensor([math.exp(-1.75), math.exp(-0.75), 1, 1, 1, 1])
+    assert tv(got, weights / weights.sum()) < 0.02
+
+
+def test_seed_gives_the_same_tokens_alone_or_in_a_batch_of_8() -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(3))
+    for seed in range(20):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+        alone = sample(
+            logits[:1],
+            SamplingBatch.build(
+                [params], [torch.Generator().manual_seed(seed)], torch.device("cpu")
+            ),
+        )
+        others = [SamplingParams(temperature=0.8, seed=100 + i) for i in range(7)]
+        gens = [torch.Generator().manual_seed(seed)] + [
+            torch.Generator().manual_seed(100 + i) for i in range(7)
+        ]
+        crowd = sample(logits, SamplingBatch.build([params, *others], gens, torch.device("cpu")))
+        assert alone.token_ids[0] == crowd.token_ids[0]
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
     params = [
-        SamplingParams(temperature=1.0, top_k=1),
-        SamplingParams(temperature=1.0, top_p=1e-6),
-        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(),
     ]
-    for _ in range(5):
-        assert torch.equal(sample(x, batch(params, seeded=False)), x.argmax(-1))
+    out = sample(logits, SamplingBatch.build(params, [None] * 3, torch.device("cpu")))
+    reference = torch.log_softmax(logits, -1)
+    first, second, third = out.logprobs
+    assert first is not None and second is not None and third is None
+    assert first.logprob == pytest.approx(float(reference[0, out.token_ids[0]]), abs=1e-5)
+    assert first.top_token_ids == reference[0].topk(3).indices.tolist()
+    assert first.top_logprobs == pytest.approx(reference[0].topk(3).values.tolist(), abs=1e-5)
+    assert second.top_token_ids == [] and out.token_ids[1] == int(logits[1].argmax())
+    assert second.logprob == pytest.approx(float(reference[1].max()), abs=1e-5)
 
 
-def test_top_k_keeps_samples_within_the_k_best() -> None:
-    x = logits(1, seed=3).expand(400, -1).contiguous()
-    out = sample(x, batch([SamplingParams(temperature=2.0, top_k=3)] * 400, seeded=False))
-    allowed = set(x[0].topk(3).indices.tolist())
-    seen = set(out.tolist())
-    assert seen <= allowed and len(seen) == 3
-
-
-def test_seeded_row_ignores_its_batch_neighbours() -> None:
-    p = SamplingParams(temperature=1.0, seed=42)
-    x = logits(8, seed=5)
-    alone = sample(x[:1], batch([p]))
-    crowd = sample(x, batch([p] + [SamplingParams(temperature=1.0, seed=s) for s in range(7)]))
-    assert alone[0] == crowd[0]
+def test_penalties_without_history_are_refused() -> None:
+    with pytest.raises(ValueError, match="penalties need"):
+        SamplingBatch.build([SamplingParams(presence_penalty=1.0)], [None], torch.device("cpu"))
