@@ -9,6 +9,7 @@ its noise from its own generator and its samples do not depend on the rest of th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class SamplingBatch:
     @staticmethod
     def build(
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: Sequence[torch.Generator | None],
         device: torch.device,
         token_ids: list[list[int]] | None = None,
         num_prompt_tokens: list[int] | None = None,

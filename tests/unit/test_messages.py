@@ -28,7 +28,7 @@ def test_engine_request_encoding_is_pinned() -> None:
         "r1",
         b"c",
         [1, 2],
-        [3, 0.5, 1.0, 0, None, [], False],
+        [3, 0.5, 1.0, 0, None, [], False, 0.0, 1.0, 0.0, 0.0, None],
         2.0,
         1,
         None,  # cache_salt, appended after priority
@@ -50,7 +50,7 @@ def test_tagged_unions_round_trip() -> None:
 def test_finish_reason_words() -> None:
     assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
     out = RequestOutput("r", [1], FinishReason.LENGTH)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], 1, None, None, 0]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], 1, None, None, 0, None]
 
 
 @pytest.mark.parametrize("frame", [b"", b"\x93\x01", msgspec.msgpack.encode(["Nope", 1]), b"\xc1"])
