@@ -145,8 +145,8 @@ def paged_attention(
     if meta.decode_token_indices is not None:
         assert meta.decode_kv_slots is not None  # built together
         qd = q.index_select(0, meta.decode_token_indices).unsqueeze(2)  # [n, H, 1, D]
-        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [n, KVH, L, D]
-        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_kv_slots).transpose(1, 2)  # [n, KVH, L, D]
+        vd = _gather(v_cache, meta.decode_kv_slots).transpose(1, 2)
         od = _attend(qd, kd, vd, meta.decode_mask(window), scale)
         out.index_copy_(0, meta.decode_token_indices, od.squeeze(2))
     for chunk in meta.prefills:
@@ -154,10 +154,22 @@ def paged_attention(
         if chunk.context_start == 0:
             kp, vp = k[chunk.token_start : chunk.token_end], v[chunk.token_start : chunk.token_end]
         else:
-            kp, vp = k_cache[chunk.kv_slots], v_cache[chunk.kv_slots]
-        op = _attend(qp, kp.transpose(0, 1), vp.transpose(0, 1), chunk.mask(window), scale)
-        out[chunk.token_start : chunk.token_end] = op.transpose(0, 1)
+            kp, vp = (
+                k_cache.index_select(0, chunk.kv_slots),
+                v_cache.index_select(0, chunk.kv_slots),
+            )
+        # A leading batch dim of 1: 3-D inputs take a much slower SDPA kernel on CPU.
+        op = _attend(
+            qp[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], chunk.mask(window), scale
+        )
+        out[chunk.token_start : chunk.token_end] = op[0].transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` for 2-D ``slots``; index_select is several times faster on CPU
+    than advanced indexing."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def _attend(

@@ -24,6 +24,9 @@ class CausalLM(nn.Module):
         """Parameters that are the same tensor as another, absent from checkpoints."""
         return {}
 
+    def fuse(self) -> None:
+        """Repack loaded weights for speed (e.g. q/k/v into one matmul); optional."""
+
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache holding ``num_slots`` tokens."""
         raise NotImplementedError

@@ -19,6 +19,7 @@ from worker.models.layers import (
     RopeSpec,
     RotaryEmbedding,
     apply_rotary,
+    fuse_linears,
 )
 
 
@@ -83,9 +84,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.scale = a.attn_scale if a.attn_scale is not None else a.head_dim**-0.5
         self.window = a.layer_windows[layer] if a.layer_windows else None
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        # Loaded as q/k/v_proj (checkpoint names); fuse() packs them into qkv_proj.
+        self.q_proj: nn.Linear | None = nn.Linear(
+            a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias
+        )
+        self.k_proj: nn.Linear | None = nn.Linear(
+            a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias
+        )
+        self.v_proj: nn.Linear | None = nn.Linear(
+            a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias
+        )
+        self.qkv_proj: nn.Linear | None = None
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -93,6 +102,13 @@ class Attention(nn.Module):
             norm = GemmaRMSNorm if a.norm == "gemma" else RMSNorm
             self.q_norm = norm(a.head_dim, a.rms_norm_eps)
             self.k_norm = norm(a.head_dim, a.rms_norm_eps)
+
+    def fuse(self) -> None:
+        assert (
+            self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+        )  # once
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(
         self,
@@ -102,13 +118,21 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1).view(
+                n, -1, self.head_dim
+            )
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
+        else:
+            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # q and k in one go
+        q, k = qk.split([heads, kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -171,6 +195,12 @@ class DecoderLM(CausalLM):
     @property
     def num_layers(self) -> int:
         return self.args.num_layers
+
+    def fuse(self) -> None:
+        """After loading: pack q/k/v and gate/up projections into single matmuls."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def tied_weights(self) -> dict[str, str]:

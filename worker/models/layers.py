@@ -19,10 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = nn.functional.rms_norm(
+            x.float(), (x.shape[-1],), None, self.eps
+        )  # one fused kernel
+        return self.weight * normed.to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -34,9 +34,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 @dataclass(frozen=True)
@@ -126,19 +125,48 @@ _ACTIVATIONS = {
 }
 
 
+def fuse_linears(layers: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing ``layers`` side by side (outputs concatenated): fewer,
+    larger matmuls per step."""
+    has_bias = layers[0].bias is not None
+    fused = nn.Linear(
+        layers[0].in_features, sum(layer.out_features for layer in layers), bias=has_bias
+    )
+    fused = fused.to(device=layers[0].weight.device, dtype=layers[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([layer.bias for layer in layers]))
+    return fused
+
+
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (tanh gelu)."""
+    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (tanh gelu). Loaded as
+    ``gate_proj``/``up_proj``; ``fuse()`` then packs them into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"activation {activation!r} is not supported ({', '.join(_ACTIVATIONS)} are)"
-            )
+            supported = ", ".join(_ACTIVATIONS)
+            raise ValueError(f"activation {activation!r} is not supported ({supported} are)")
         self.act = _ACTIVATIONS[activation]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        assert (
+            self.gate_proj is not None and self.up_proj is not None
+        )  # fuse() runs once, after loading
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_proj = self.up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)

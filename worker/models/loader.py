@@ -70,4 +70,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
             f"weight {missing[0]} (expected shape {shape}) is missing from {model_dir}"
             + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
+    model.fuse()
     return model.eval()

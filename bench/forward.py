@@ -1,0 +1,168 @@
+"""Tandem's forward pass against transformers', same weights and dtype, in one run:
+decode step time at batch 1, 8 and 32 (each sequence with a 128-token context), and
+prefill throughput of one 512-token prompt. Both sides include picking the next token
+(greedy) so a step is a whole step.
+
+    .venv/bin/python -m bench.forward [--model smollm2-135m-instruct] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from bench.harness import print_table, write_results
+from common.config import CacheConfig
+from common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from common.model_files import resolve_model_dir
+from worker.device import resolve_dtype
+from worker.model_runner import ModelRunner
+
+CONTEXT = 128
+PREFILL = 512
+GREEDY = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class TandemSide:
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        cache = CacheConfig(num_kv_blocks=((CONTEXT + 64) // 16 + 1) * 32 + PREFILL // 16 + 8)
+        self.runner = ModelRunner(
+            resolve_model_dir(model_dir), dtype, torch.device("cpu"), cache, None
+        )
+        self.step_id = 0
+
+    def _step(
+        self, new: list[NewRequestData], cached: list[CachedRequestData], tokens: dict[str, int]
+    ) -> None:
+        self.step_id += 1
+        self.runner.execute(SchedulerOutput(self.step_id, new, cached, tokens, []))
+
+    def decode_step(self, batch: int) -> Callable[[], object]:
+        self.runner.requests.clear()
+        per_seq = (CONTEXT + 64) // 16 + 1
+        new = [
+            NewRequestData(
+                f"r{i}",
+                [(7 * i + j) % 1000 + 10 for j in range(CONTEXT)],
+                GREEDY,
+                list(range(i * per_seq, (i + 1) * per_seq)),
+                0,
+                CONTEXT,
+            )
+            for i in range(batch)
+        ]
+        self._step(new, [], {n.request_id: CONTEXT for n in new})
+
+        def step() -> None:
+            states = self.runner.requests
+            cached = [CachedRequestData(r, [], len(states[r].token_ids) - 1) for r in states]
+            self._step([], cached, dict.fromkeys(states, 1))
+
+        return step
+
+    def prefill(self) -> Callable[[], object]:
+        base = 32 * ((CONTEXT + 64) // 16 + 1)
+
+        def run() -> None:
+            self.runner.requests.clear()
+            new = NewRequestData(
+                "p",
+                [(3 * j) % 1000 + 10 for j in range(PREFILL)],
+                GREEDY,
+                list(range(base, base + PREFILL // 16 + 1)),
+                0,
+                PREFILL,
+            )
+            self._step([new], [], {"p": PREFILL})
+
+        return run
+
+
+class TransformersSide:
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(resolve_model_dir(model_dir)), dtype=dtype
+        ).eval()
+
+    @torch.inference_mode()
+    def decode_step(self, batch: int) -> Callable[[], object]:
+        ids = torch.tensor(
+            [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)]
+        )
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        state = {"next": out.logits[:, -1].argmax(-1, keepdim=True), "pos": CONTEXT}
+
+        @torch.inference_mode()
+        def step() -> None:
+            position = torch.full((batch, 1), state["pos"])
+            out = self.model(
+                input_ids=state["next"],
+                past_key_values=cache,
+                position_ids=position,
+                use_cache=True,
+            )
+            state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            state["pos"] += 1
+
+        return step
+
+    def prefill(self) -> Callable[[], object]:
+        ids = torch.tensor([[(3 * j) % 1000 + 10 for j in range(PREFILL)]])
+
+        @torch.inference_mode()
+        def run() -> None:
+            self.model(input_ids=ids, use_cache=True).logits[:, -1].argmax(-1)
+
+        return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    tandem, hf = TandemSide(args.model, dtype), TransformersSide(args.model, dtype)
+    rows, results = [], {}
+    for batch in (1, 8, 32):
+        # Interleave the two sides so drift of this host's speed hits both alike.
+        t = timed(tandem.decode_step(batch), args.repeats)
+        h = timed(hf.decode_step(batch), args.repeats)
+        results[f"decode_b{batch}"] = {"tandem_s": t, "transformers_s": h}
+        rows.append([f"decode step, batch {batch}", 1000 * t, 1000 * h, h / t])
+    t = timed(tandem.prefill(), max(3, args.repeats // 4))
+    h = timed(hf.prefill(), max(3, args.repeats // 4))
+    results["prefill_512"] = {"tandem_s": t, "transformers_s": h}
+    rows.append([f"prefill {PREFILL} tokens (tok/s)", PREFILL / t, PREFILL / h, h / t])
+    dtype_name = str(dtype).removeprefix("torch.")
+    path = write_results(
+        f"forward-{args.model}-{dtype_name}",
+        {"model": args.model, "dtype": dtype_name, "context": CONTEXT, "results": results},
+    )
+    print(
+        f"\n{args.model}, {dtype_name}, {torch.get_num_threads()} threads; decode with {CONTEXT}-token contexts\n"
+    )
+    print_table(["measure", "Tandem (ms | tok/s)", "transformers", "Tandem speedup"], rows)
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()
