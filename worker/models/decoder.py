@@ -199,6 +199,7 @@ class DecoderLM(CausalLM):
     def fuse(self) -> None:
         """After loading: pack q/k/v and gate/up projections into single matmuls."""
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
