@@ -21,7 +21,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece
+from api_server.generation import (
+    ApiError,
+    CompletionService,
+    EngineRequestError,
+    Piece,
+    completion_logprobs,
+)
 from api_server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
@@ -154,6 +160,12 @@ def create_app(service: CompletionService) -> Starlette:
             last.finish_reason,
             usage(len(prompt_ids), last.num_completion_tokens, last.num_cached_tokens),
             [t for p in collected for t in p.token_ids] if req.return_token_ids else None,
+            completion_logprobs(
+                service.tokenizer,
+                [t for p in collected for t in p.token_ids],
+                [lp for p in collected for lp in p.logprobs],
+                0,
+            ),
         )
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
@@ -183,6 +195,7 @@ def create_app(service: CompletionService) -> Starlette:
             async for piece in pieces:
                 yield piece
 
+        text_offset = 0
         try:
             async with aclosing(pieces):
                 async for piece in all_pieces():
@@ -192,8 +205,19 @@ def create_app(service: CompletionService) -> Starlette:
                             num_prompt, piece.num_completion_tokens, piece.num_cached_tokens
                         )
                     ids = piece.token_ids if with_ids else None
+                    lps = completion_logprobs(
+                        service.tokenizer, piece.token_ids, piece.logprobs, text_offset
+                    )
+                    text_offset += len(piece.text)
                     chunk = completion_chunk(
-                        request_id, model, created, piece.text, piece.finish_reason, last_usage, ids
+                        request_id,
+                        model,
+                        created,
+                        piece.text,
+                        piece.finish_reason,
+                        last_usage,
+                        ids,
+                        lps,
                     )
                     yield _sse(chunk)
                     if piece.finish_reason:

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 from api_server.client import EngineClient
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.protocol import ErrorType, error_body, finish_reason_text
-from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo
+from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,33 @@ class Piece:
     num_completion_tokens: int
     token_ids: list[int]
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs]  # one per token id, when the request asked
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for these tokens; ``text_offset``
+    is where the first token's text starts in the whole completion."""
+    if not logprobs:
+        return None
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            {
+                tokenizer.decode([t]): v
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            }
+            for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
 
 
 class CompletionService:
@@ -129,6 +156,7 @@ class CompletionService:
         num_tokens = 0
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet
+        pending_logprobs: list[TokenLogprobs] = []
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
         async with aclosing(self.client.generate(request)) as outputs:
             async for out in outputs:
@@ -139,12 +167,13 @@ class CompletionService:
                 num_cached = max(num_cached, out.num_cached_tokens)
                 num_tokens += len(out.new_token_ids)
                 pending_ids += out.new_token_ids
+                pending_logprobs += out.logprobs or []
                 text = matcher.push(detok.push(out.new_token_ids))
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
                 if finish is not None and not matcher.hit:
                     text += matcher.flush()
                 if text or finish is not None:
-                    yield Piece(text, finish, num_tokens, pending_ids, num_cached)
-                    pending_ids = []
+                    yield Piece(text, finish, num_tokens, pending_ids, num_cached, pending_logprobs)
+                    pending_ids, pending_logprobs = [], []
                 if finish is not None:
                     return

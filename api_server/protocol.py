@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from common.messages import FinishReason, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
@@ -42,6 +43,11 @@ class CompletionRequest(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -70,6 +76,11 @@ class CompletionRequest(_Strict):
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprobs,
         )
 
 
@@ -105,11 +116,12 @@ def completion_chunk(
     finish_reason: str | None,
     usage_: dict[str, int] | None = None,
     token_ids: list[int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     if token_ids is not None:

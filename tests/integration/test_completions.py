@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.stack import TandemStack, completion
 
@@ -188,3 +189,76 @@ def test_tokenize_and_detokenize_round_trip(server: TandemStack) -> None:
     assert r.json() == {"prompt": "The capital of France is"}
     r = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [10**6]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_logprobs_plain_and_streamed(server: TandemStack) -> None:
+    out = completion(
+        server.url,
+        "The capital of France is",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        ignore_eos=True,
+    )
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    for token, value, top in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+    ):
+        assert value <= 0 and len(top) == 2
+        assert (
+            max(top.values()) == pytest.approx(value, abs=1e-5) and token in top
+        )  # greedy = the top-1
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert all(top == {} for c in chunks for top in c["choices"][0]["logprobs"]["top_logprobs"])
+
+
+def test_penalties_change_greedy_continuations(server: TandemStack) -> None:
+    """Penalties reach the sampler: each one changes a greedy continuation whose words
+    repeat (presence and frequency count output tokens only, as in OpenAI's API)."""
+    prompt = "Once upon a time there was a little"
+    params = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    plain = completion(server.url, prompt, **params)["choices"][0]["text"]
+    for penalty in (
+        {"repetition_penalty": 1.5},
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 2.0},
+    ):
+        text = completion(server.url, prompt, **params, **penalty)["choices"][0]["text"]
+        assert text != plain, penalty
+
+
+def test_seeded_request_is_the_same_alone_or_among_8(server: TandemStack) -> None:
+    params = {"max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
+    alone = completion(server.url, "My favourite animal is", seed=99, **params)["choices"][0][
+        "text"
+    ]
+
+    async def crowd() -> str:
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one(prompt: str, seed: int | None) -> str:
+                body = {"model": MODEL, "prompt": prompt, "seed": seed, **params}
+                r = await client.post(f"{server.url}/v1/completions", json=body)
+                return str(r.json()["choices"][0]["text"])
+
+            others = [one(f"Prompt number {i} says", None) for i in range(7)]
+            results = await asyncio.gather(one("My favourite animal is", 99), *others)
+            return results[0]
+
+    assert asyncio.run(crowd()) == alone
