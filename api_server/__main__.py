@@ -54,7 +54,11 @@ async def serve(config: TandemConfig) -> int:
 
     client = EngineClient(config.addresses, on_dead=on_engine_dead)
     await client.start()
-    app = create_app(CompletionService(config.served_model_name, tokenizer, client))
+    chat_template = None
+    if config.model.chat_template:
+        with open(config.model.chat_template) as f:
+            chat_template = f.read()
+    app = create_app(CompletionService(config.served_model_name, tokenizer, client), chat_template)
     server = _Server(
         uvicorn.Config(
             app,

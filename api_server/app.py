@@ -1,4 +1,5 @@
-"""HTTP routes: OpenAI completions (SSE streaming), models, health, stats.
+"""HTTP routes: OpenAI completions (SSE streaming), models, health, stats; chat
+completions live in ``chat.py``.
 
 A request's path: parse + validate (``protocol.py``) -> tokenize -> ``EngineClient``
 (``client.py``) -> incremental detokenize + stop strings (``detokenizer.py``) -> SSE
@@ -7,7 +8,6 @@ chunks or one JSON body. Errors are OpenAI error bodies.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -15,12 +15,13 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from api_server.chat import ChatRoute
 from api_server.generation import (
     ApiError,
     CompletionService,
@@ -28,6 +29,8 @@ from api_server.generation import (
     Piece,
     completion_logprobs,
 )
+from api_server.http_util import chain, first_piece, sse
+from api_server.http_util import parse as http_parse
 from api_server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
@@ -36,7 +39,6 @@ from api_server.protocol import (
     error_body,
     now,
     usage,
-    validation_error_param,
 )
 from common.messages import EngineRequest
 
@@ -45,41 +47,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
-
-
-def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def create_app(service: CompletionService) -> Starlette:
+def create_app(service: CompletionService, chat_template: str | None = None) -> Starlette:
     async def parse(request: Request, schema: type[T]) -> T:
-        """The body as ``schema``: 400 for bad JSON, 422 naming a bad field, 404 for
-        another model's name."""
-        body = await _json_body(request)
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as e:
-            message, param = validation_error_param(e)
-            raise ApiError(422, message, param=param) from None
-        model = getattr(req, "model", service.served_model_name)
-        if model != service.served_model_name:
-            raise ApiError(
-                404,
-                f"model '{model}' does not exist; this server serves '{service.served_model_name}'",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
-        return req
+        return await http_parse(request, schema, service.served_model_name)
 
     async def tokenize(request: Request) -> Response:
         req = await parse(request, TokenizeRequest)
@@ -107,7 +77,7 @@ def create_app(service: CompletionService) -> Starlette:
         req = await parse(request, CompletionRequest)
         info = service.model_info()
         prompt_ids = service.tokenize(req.prompt, info)
-        max_tokens = service.completion_budget(len(prompt_ids), req.max_tokens, info)
+        max_tokens = service.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         engine_request = EngineRequest(
             request_id=request_id,
@@ -130,7 +100,7 @@ def create_app(service: CompletionService) -> Starlette:
         headers = {"X-Request-Id": request_id}
         # Wait for the first piece before answering, so that a refusal (queue full,
         # engine down) is a proper HTTP status rather than an error inside a stream.
-        first = await _first_piece(pieces)
+        first = await first_piece(pieces)
         if req.stream:
             return StreamingResponse(
                 _stream(
@@ -171,16 +141,6 @@ def create_app(service: CompletionService) -> Starlette:
             body["prompt_token_ids"] = prompt_ids
         return JSONResponse(body, headers=headers)
 
-    async def _first_piece(pieces: AsyncGenerator[Piece, None]) -> Piece:
-        try:
-            return await anext(pieces)
-        except EngineRequestError as e:
-            await pieces.aclose()
-            raise e.api_error() from None
-        except BaseException:
-            await pieces.aclose()
-            raise
-
     async def _stream(
         first: Piece,
         pieces: AsyncGenerator[Piece, None],
@@ -190,15 +150,10 @@ def create_app(service: CompletionService) -> Starlette:
         num_prompt: int,
         with_ids: bool,
     ) -> AsyncGenerator[str, None]:
-        async def all_pieces() -> AsyncGenerator[Piece, None]:
-            yield first
-            async for piece in pieces:
-                yield piece
-
         text_offset = 0
         try:
             async with aclosing(pieces):
-                async for piece in all_pieces():
+                async for piece in chain(first, pieces):
                     last_usage = None
                     if piece.finish_reason:
                         last_usage = usage(
@@ -219,7 +174,7 @@ def create_app(service: CompletionService) -> Starlette:
                         ids,
                         lps,
                     )
-                    yield _sse(chunk)
+                    yield sse(chunk)
                     if piece.finish_reason:
                         logger.info(
                             "[%s] finished (%s) with %d tokens",
@@ -229,8 +184,8 @@ def create_app(service: CompletionService) -> Starlette:
                         )
         except EngineRequestError as e:
             logger.error("[%s] failed: %s", request_id, e)
-            yield _sse(error_body(str(e), "server_error"))
-        yield _sse("[DONE]")
+            yield sse(error_body(str(e), "server_error"))
+        yield sse("[DONE]")
 
     async def models(request: Request) -> Response:
         created = now()
@@ -304,6 +259,9 @@ def create_app(service: CompletionService) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route(
+                "/v1/chat/completions", ChatRoute(service, chat_template).handle, methods=["POST"]
+            ),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

@@ -36,10 +36,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-class CompletionRequest(_Strict):
+class GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
     model: str
-    prompt: str | TokenIds
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -47,7 +48,6 @@ class CompletionRequest(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -67,6 +67,12 @@ class CompletionRequest(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -80,8 +86,53 @@ class CompletionRequest(_Strict):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs,
+            logprobs=self.num_logprobs(),
         )
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | TokenIds
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role.
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
 
 
 def validation_error_param(error: ValidationError) -> tuple[str, str | None]:

@@ -33,9 +33,14 @@ class ModelConfig:
     served_model_name: str | None = None
     dtype: DType = "auto"
     max_model_len: int | None = None  # None: the model's own context length
+    chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
+        _require(
+            self.chat_template is None or os.path.isfile(self.chat_template),
+            f"--chat-template {self.chat_template!r} is not a file",
+        )
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
         _require(
             self.max_model_len is None or self.max_model_len > 0,
@@ -233,6 +238,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="context length in tokens (prompt + output); default: the model's own",
+    )
+    m.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for /v1/chat/completions, replacing the model's own "
+        "(needed for models without one, such as gemma-3-270m)",
     )
     c = parser.add_argument_group("KV cache")
     c.add_argument(
