@@ -9,8 +9,6 @@ chunks or one JSON body. Errors are OpenAI error bodies.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -27,6 +25,7 @@ from api_server.generation import (
     CompletionService,
     EngineRequestError,
     Piece,
+    collect,
     completion_logprobs,
 )
 from api_server.http_util import chain, first_piece, sse
@@ -40,7 +39,6 @@ from api_server.protocol import (
     now,
     usage,
 )
-from common.messages import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -77,25 +75,7 @@ def create_app(service: CompletionService, chat_template: str | None = None) -> 
         req = await parse(request, CompletionRequest)
         info = service.model_info()
         prompt_ids = service.tokenize(req.prompt, info)
-        max_tokens = service.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        engine_request = EngineRequest(
-            request_id=request_id,
-            client_id=service.client.client_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=req.sampling_params(max_tokens),
-            arrival_time=time.time(),
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-        )
-        logger.info(
-            "[%s] completion: %d prompt tokens, max_tokens=%d, stream=%s",
-            request_id,
-            len(prompt_ids),
-            max_tokens,
-            req.stream,
-        )
-        pieces = service.run(engine_request, req.stop_strings())
+        request_id, pieces = service.start(req, prompt_ids, info, "completion")
         created, model = now(), service.served_model_name
         headers = {"X-Request-Id": request_id}
         # Wait for the first piece before answering, so that a refusal (queue full,
@@ -109,12 +89,7 @@ def create_app(service: CompletionService, chat_template: str | None = None) -> 
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
-        collected = [first]
-        try:
-            async with aclosing(pieces):
-                collected += [piece async for piece in pieces]
-        except EngineRequestError as e:
-            raise ApiError(503, str(e), "server_error") from None
+        collected = await collect(first, pieces)
         last = collected[-1]
         logger.info(
             "[%s] finished (%s) with %d tokens",

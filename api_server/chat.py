@@ -5,8 +5,6 @@ SSE events."""
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -15,10 +13,10 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece
+from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece, collect
 from api_server.http_util import chain, first_piece, parse, sse
 from api_server.protocol import ChatCompletionRequest, error_body, now, usage
-from common.messages import EngineRequest, TokenLogprobs
+from common.messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -79,25 +77,7 @@ class ChatRoute:
         req = await parse(request, ChatCompletionRequest, service.served_model_name)
         info = service.model_info()
         prompt_ids = self.prompt_ids(req)
-        max_tokens = service.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = EngineRequest(
-            request_id=request_id,
-            client_id=service.client.client_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=req.sampling_params(max_tokens),
-            arrival_time=time.time(),
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-        )
-        logger.info(
-            "[%s] chat: %d prompt tokens, max_tokens=%d, stream=%s",
-            request_id,
-            len(prompt_ids),
-            max_tokens,
-            req.stream,
-        )
-        pieces = service.run(engine_request, req.stop_strings())
+        request_id, pieces = service.start(req, prompt_ids, info, "chat")
         first = await first_piece(pieces)
         headers = {"X-Request-Id": request_id}
         if req.stream:
@@ -108,12 +88,7 @@ class ChatRoute:
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
-        collected = [first]
-        try:
-            async with aclosing(pieces):
-                collected += [piece async for piece in pieces]
-        except EngineRequestError as e:
-            raise ApiError(503, str(e), "server_error") from None
+        collected = await collect(first, pieces)
         last = collected[-1]
         ids = [t for p in collected for t in p.token_ids]
         choice: dict[str, Any] = {

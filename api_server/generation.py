@@ -4,6 +4,8 @@ send to the engine, detokenize incrementally and apply stop strings, as ``Piece`
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from api_server.client import EngineClient
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from api_server.protocol import ErrorType, error_body, finish_reason_text
+from api_server.protocol import ErrorType, GenerationRequest, error_body, finish_reason_text
 from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,32 @@ class CompletionService:
             )
         return max_tokens
 
+    def start(
+        self, req: GenerationRequest, prompt_ids: list[int], info: ModelInfo, kind: str
+    ) -> tuple[str, AsyncGenerator[Piece, None]]:
+        """Budget the completion, send the request, and return its id and its pieces."""
+        max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        engine_request = EngineRequest(
+            request_id=request_id,
+            client_id=self.client.client_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=req.sampling_params(max_tokens),
+            arrival_time=time.time(),
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        logger.info(
+            "[%s] %s: %d prompt tokens, max_tokens=%d, stream=%s",
+            request_id,
+            kind,
+            len(prompt_ids),
+            max_tokens,
+            req.stream,
+        )
+        return request_id, self.run(engine_request, req.stop_strings())
+
     async def run(self, request: EngineRequest, stops: list[str]) -> AsyncGenerator[Piece, None]:
         """Engine outputs -> text pieces; a stop string ends the request early."""
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
@@ -177,3 +205,14 @@ class CompletionService:
                     pending_ids, pending_logprobs = [], []
                 if finish is not None:
                     return
+
+
+async def collect(first: Piece, rest: AsyncGenerator[Piece, None]) -> list[Piece]:
+    """Every piece of a non-streamed request; an engine failure midway is a 503."""
+    pieces = [first]
+    try:
+        async with aclosing(rest):
+            pieces += [piece async for piece in rest]
+    except EngineRequestError as e:
+        raise ApiError(503, str(e), "server_error") from None
+    return pieces

@@ -10,12 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from tests.parity.ties import LogprobsFn, assert_greedy_parity
+from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
 from tests.stack import TandemStack
-from worker.attention import build_metadata
-from worker.models.loader import load_model
 
 SYSTEM = (
     "<|im_start|>system\nYou are a careful assistant. Explain your answer in a few sentences.<|im_end|>\n"
@@ -77,19 +74,7 @@ def baseline(smollm2_dir: Path) -> Iterator[tuple[list[list[int]], list[list[int
 
 @pytest.fixture(scope="module")
 def logprobs_fn(smollm2_dir: Path) -> LogprobsFn:
-    model = load_model(smollm2_dir, torch.float32, torch.device("cpu"))
-
-    @torch.no_grad()
-    def fn(ids: list[int]) -> torch.Tensor:
-        blocks = list(range(len(ids) // 16 + 1))
-        caches = [
-            torch.zeros(model.kv_cache_shape(len(blocks) * 16)) for _ in range(model.num_layers)
-        ]
-        meta = build_metadata([blocks], [0], [len(ids)], 16, torch.device("cpu"))
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
-        return torch.log_softmax(model.compute_logits(hidden[-1:])[0], -1)
-
-    return fn
+    return our_logprobs_fn(smollm2_dir)
 
 
 def assert_same(outputs: list[list[int]], reference: list[list[int]], fn: LogprobsFn) -> None:

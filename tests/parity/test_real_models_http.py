@@ -13,10 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import EMBEDDED_MODELS, find_embedded_gguf, resolve_model_dir
-from tests.parity.ties import assert_greedy_parity
+from tests.parity.ties import assert_greedy_parity, our_logprobs_fn
 from tests.stack import TandemStack, completion
-from worker.attention import build_metadata
-from worker.models.loader import load_model
 
 PROMPTS = {
     "smollm2-135m-instruct": [
@@ -78,23 +76,12 @@ def expected(
 @pytest.fixture(scope="module")
 def logprob_fns(model_name: str, reference: tuple[Any, PreTrainedModel]) -> tuple[Any, Any]:
     _, ref_model = reference
-    ours = load_model(resolve_model_dir(model_name), torch.float32, torch.device("cpu"))
 
     @torch.no_grad()
     def ref_fn(ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(ref_model(torch.tensor([ids])).logits[0, -1], -1)
 
-    @torch.no_grad()
-    def ours_fn(ids: list[int]) -> torch.Tensor:
-        blocks = list(range(len(ids) // 16 + 1))
-        caches = [
-            torch.zeros(ours.kv_cache_shape(len(blocks) * 16)) for _ in range(ours.num_layers)
-        ]
-        meta = build_metadata([blocks], [0], [len(ids)], 16, torch.device("cpu"))
-        hidden = ours(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
-        return torch.log_softmax(ours.compute_logits(hidden[-1:])[0], -1)
-
-    return ours_fn, ref_fn
+    return our_logprobs_fn(resolve_model_dir(model_name)), ref_fn
 
 
 def served(url: str, model: str, prompt: list[int]) -> list[int]:

@@ -5,6 +5,7 @@ the other's top-2, with a logprob gap under 1e-3. Nothing after it is compared."
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -32,3 +33,23 @@ def assert_greedy_parity(
     assert len(ours) == len(ref), (
         f"lengths differ: {len(ours)} vs {len(ref)}\nours={ours}\nref={ref}"
     )
+
+
+def our_logprobs_fn(model_dir: Path) -> LogprobsFn:
+    """Next-token logprobs from Tandem's own model in float32, one prefill per call."""
+    from worker.attention import build_metadata
+    from worker.models.loader import load_model
+
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+
+    @torch.no_grad()
+    def fn(ids: list[int]) -> torch.Tensor:
+        blocks = list(range(len(ids) // 16 + 1))
+        caches = [
+            torch.zeros(model.kv_cache_shape(len(blocks) * 16)) for _ in range(model.num_layers)
+        ]
+        meta = build_metadata([blocks], [0], [len(ids)], 16, torch.device("cpu"))
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        return torch.log_softmax(model.compute_logits(hidden[-1:])[0], -1)
+
+    return fn
