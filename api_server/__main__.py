@@ -58,7 +58,8 @@ async def serve(config: TandemConfig) -> int:
     if config.model.chat_template:
         with open(config.model.chat_template) as f:
             chat_template = f.read()
-    app = create_app(CompletionService(config.served_model_name, tokenizer, client), chat_template)
+    service = CompletionService(config.served_model_name, tokenizer, client)
+    app = create_app(service, chat_template, config.server.api_keys, config.server.max_body_bytes)
     server = _Server(
         uvicorn.Config(
             app,

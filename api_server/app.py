@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -28,6 +29,7 @@ from api_server.generation import (
     collect,
     completion_logprobs,
 )
+from api_server.guard import BodyTooLarge, Guard, too_large_body
 from api_server.http_util import chain, first_piece, sse
 from api_server.http_util import parse as http_parse
 from api_server.protocol import (
@@ -45,7 +47,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
 
 
-def create_app(service: CompletionService, chat_template: str | None = None) -> Starlette:
+def create_app(
+    service: CompletionService,
+    chat_template: str | None = None,
+    api_keys: tuple[str, ...] = (),
+    max_body_bytes: int = 2 * 1024 * 1024,
+) -> Starlette:
     async def parse(request: Request, schema: type[T]) -> T:
         return await http_parse(request, schema, service.served_model_name)
 
@@ -214,6 +221,20 @@ def create_app(service: CompletionService, chat_template: str | None = None) -> 
         service.client.reset_prefix_cache()
         return JSONResponse({"status": "ok"})
 
+    async def cancel(request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        if not service.client.cancel(request_id):
+            raise ApiError(
+                404,
+                f"no request {request_id} in flight on this server",
+                "not_found_error",
+                code="request_not_found",
+            )
+        return JSONResponse({"id": request_id, "cancelled": True})
+
+    async def body_too_large(request: Request, exc: Exception) -> Response:
+        return JSONResponse(too_large_body(max_body_bytes), 413)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)  # registered for ApiError only
         return exc.response()
@@ -243,6 +264,13 @@ def create_app(service: CompletionService, chat_template: str | None = None) -> 
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
         ],
-        exception_handlers={ApiError: api_error, 404: not_found, 405: method_not_allowed},
+        exception_handlers={
+            ApiError: api_error,
+            BodyTooLarge: body_too_large,
+            404: not_found,
+            405: method_not_allowed,
+        },
+        middleware=[Middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes)],
     )

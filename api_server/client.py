@@ -116,6 +116,13 @@ class EngineClient:
             if not finished:
                 self.abort_nowait([request.request_id])
 
+    def cancel(self, request_id: str) -> bool:
+        """Abort an in-flight request of this server; False if there is none by that id."""
+        if request_id not in self._queues:
+            return False
+        self.abort_nowait([request_id])
+        return True
+
     def reset_prefix_cache(self) -> None:
         self._send_queue.put_nowait(ResetPrefixCache())
 

@@ -125,9 +125,21 @@ class ServerConfig:
     port: int = 8000
     grace_period_s: float = 2.0
     log_level: str = "info"
+    max_body_bytes: int = 2 * 1024 * 1024
+    # Secrets: never put on a command line (``to_cli_args`` skips them); children get
+    # them through the TANDEM_API_KEYS environment variable.
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        _require(
+            self.max_body_bytes >= 1024,
+            f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}",
+        )
+        _require(
+            all(k and "," not in k for k in self.api_keys),
+            "API keys must be non-empty and contain no comma",
+        )
         _require(self.grace_period_s >= 0, "--grace-period-s must not be negative")
         _require(
             self.log_level in ("debug", "info", "warning", "error"),
@@ -181,11 +193,12 @@ class TandemConfig:
                 **{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
             )
 
+        keys = [*(values.get("api_key") or []), *api_keys_from_env()]
         return TandemConfig(
             model=build(ModelConfig),
             cache=build(CacheConfig),
             scheduler=build(SchedulerConfig),
-            server=build(ServerConfig),
+            server=dataclasses.replace(build(ServerConfig), api_keys=tuple(dict.fromkeys(keys))),
             addresses=build(EngineAddresses),
         )
 
@@ -202,6 +215,8 @@ class TandemConfig:
         argv: list[str] = []
         for group in (self.model, self.cache, self.scheduler, self.server, self.addresses):
             for f in dataclasses.fields(group):
+                if f.metadata.get("secret"):
+                    continue
                 value = getattr(group, f.name)
                 flag = "--" + f.name.replace("_", "-")
                 if isinstance(value, bool):
@@ -209,6 +224,14 @@ class TandemConfig:
                 elif value is not None and value != "":
                     argv += [flag, str(value)]
         return argv
+
+
+API_KEYS_ENV = "TANDEM_API_KEYS"
+
+
+def api_keys_from_env() -> list[str]:
+    """Comma-separated keys from ``TANDEM_API_KEYS``."""
+    return [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -342,6 +365,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         default=d.server.log_level,
         help="debug, info, warning or error (default: %(default)s)",
+    )
+    h.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.server.max_body_bytes,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    h.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on all but the "
+        f"health and metrics routes; repeatable; also read from {API_KEYS_ENV} (comma-separated)",
     )
     a = parser.add_argument_group("engine sockets (set by `tandem serve`; for containers)")
     a.add_argument(

@@ -16,7 +16,7 @@ import sys
 import time
 from types import FrameType
 
-from common.config import EngineAddresses, TandemConfig
+from common.config import API_KEYS_ENV, EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
 from common.model_files import resolve_model_dir
 from common.process import (
@@ -64,7 +64,10 @@ def serve(config: TandemConfig) -> int:
     try:
         args = config.to_cli_args()
         children.append(("engine_core", start_module("engine_core", args, env=small_thread_env())))
-        children.append(("api_server", start_module("api_server", args, env=small_thread_env())))
+        api_env = small_thread_env()
+        if config.server.api_keys:  # secrets travel by environment, never on a command line
+            api_env[API_KEYS_ENV] = ",".join(config.server.api_keys)
+        children.append(("api_server", start_module("api_server", args, env=api_env)))
         logger.info(
             "serving %s on http://%s:%d (engine pid %d, api pid %d)",
             served_name,
