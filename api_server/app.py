@@ -1,5 +1,5 @@
 """HTTP routes: OpenAI completions (SSE streaming), models, health, stats; chat
-completions live in ``chat.py``.
+completions live in ``chat.py``, Anthropic messages in ``anthropic_api.py``.
 
 A request's path: parse + validate (``protocol.py``) -> tokenize -> ``EngineClient``
 (``client.py``) -> incremental detokenize + stop strings (``detokenizer.py``) -> SSE
@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from api_server.anthropic_api import MessagesRoute
 from api_server.chat import ChatRoute
 from api_server.generation import (
     ApiError,
@@ -53,6 +54,8 @@ def create_app(
     api_keys: tuple[str, ...] = (),
     max_body_bytes: int = 2 * 1024 * 1024,
 ) -> Starlette:
+    chat_route = ChatRoute(service, chat_template)
+
     async def parse(request: Request, schema: type[T]) -> T:
         return await http_parse(request, schema, service.served_model_name)
 
@@ -255,9 +258,8 @@ def create_app(
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
-            Route(
-                "/v1/chat/completions", ChatRoute(service, chat_template).handle, methods=["POST"]
-            ),
+            Route("/v1/chat/completions", chat_route.handle, methods=["POST"]),
+            Route("/v1/messages", MessagesRoute(service, chat_route).handle, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

@@ -27,7 +27,11 @@ class StopStringMatcher:
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
-        self.hit = False
+        self.matched: str | None = None  # the stop string that ended generation
+
+    @property
+    def hit(self) -> bool:
+        return self.matched is not None
 
     def push(self, text: str) -> str:
         """Text that is safe to emit now. After a match, ``hit`` is set and the text
@@ -37,9 +41,9 @@ class StopStringMatcher:
         if not self._stops:
             return text
         pending = self._held + text
-        cut = min((i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
+        found = [(i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self._held = ""
             return pending[:cut]
         keep = self._longest_stop_prefix_suffix(pending)

@@ -73,6 +73,7 @@ class Piece:
     token_ids: list[int]
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs]  # one per token id, when the request asked
+    stop_string: str | None = None  # set on the last piece when a stop string ended it
 
 
 def completion_logprobs(
@@ -201,7 +202,15 @@ class CompletionService:
                 if finish is not None and not matcher.hit:
                     text += matcher.flush()
                 if text or finish is not None:
-                    yield Piece(text, finish, num_tokens, pending_ids, num_cached, pending_logprobs)
+                    yield Piece(
+                        text,
+                        finish,
+                        num_tokens,
+                        pending_ids,
+                        num_cached,
+                        pending_logprobs,
+                        matcher.matched,
+                    )
                     pending_ids, pending_logprobs = [], []
                 if finish is not None:
                     return
