@@ -59,7 +59,13 @@ async def serve(config: TandemConfig) -> int:
         with open(config.model.chat_template) as f:
             chat_template = f.read()
     service = CompletionService(config.served_model_name, tokenizer, client)
-    app = create_app(service, chat_template, config.server.api_keys, config.server.max_body_bytes)
+    app = create_app(
+        service,
+        chat_template,
+        config.server.api_keys,
+        config.server.max_body_bytes,
+        config.server.max_n,
+    )
     server = _Server(
         uvicorn.Config(
             app,

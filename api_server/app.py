@@ -9,38 +9,29 @@ chunks or one JSON body. Errors are OpenAI error bodies.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api_server.anthropic_api import MessagesRoute
 from api_server.chat import ChatRoute
+from api_server.completions import CompletionsRoute
 from api_server.generation import (
     ApiError,
     CompletionService,
-    EngineRequestError,
-    Piece,
-    collect,
-    completion_logprobs,
 )
 from api_server.guard import BodyTooLarge, Guard, too_large_body
-from api_server.http_util import chain, first_piece, sse
 from api_server.http_util import parse as http_parse
 from api_server.protocol import (
-    CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    completion_chunk,
     error_body,
     now,
-    usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,6 +44,7 @@ def create_app(
     chat_template: str | None = None,
     api_keys: tuple[str, ...] = (),
     max_body_bytes: int = 2 * 1024 * 1024,
+    max_choices: int = 16,
 ) -> Starlette:
     chat_route = ChatRoute(service, chat_template)
 
@@ -80,97 +72,6 @@ def create_app(
                 400, f"token id {bad} is outside the vocabulary (size {vocab})", param="tokens"
             )
         return JSONResponse({"prompt": service.tokenizer.decode(req.tokens)})
-
-    async def completions(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
-        info = service.model_info()
-        prompt_ids = service.tokenize(req.prompt, info)
-        request_id, pieces = service.start(req, prompt_ids, info, "completion")
-        created, model = now(), service.served_model_name
-        headers = {"X-Request-Id": request_id}
-        # Wait for the first piece before answering, so that a refusal (queue full,
-        # engine down) is a proper HTTP status rather than an error inside a stream.
-        first = await first_piece(pieces)
-        if req.stream:
-            return StreamingResponse(
-                _stream(
-                    first, pieces, request_id, model, created, len(prompt_ids), req.return_token_ids
-                ),
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache"},
-            )
-        collected = await collect(first, pieces)
-        last = collected[-1]
-        logger.info(
-            "[%s] finished (%s) with %d tokens",
-            request_id,
-            last.finish_reason,
-            last.num_completion_tokens,
-        )
-        body = completion_chunk(
-            request_id,
-            model,
-            created,
-            "".join(p.text for p in collected),
-            last.finish_reason,
-            usage(len(prompt_ids), last.num_completion_tokens, last.num_cached_tokens),
-            [t for p in collected for t in p.token_ids] if req.return_token_ids else None,
-            completion_logprobs(
-                service.tokenizer,
-                [t for p in collected for t in p.token_ids],
-                [lp for p in collected for lp in p.logprobs],
-                0,
-            ),
-        )
-        if req.return_token_ids:
-            body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body, headers=headers)
-
-    async def _stream(
-        first: Piece,
-        pieces: AsyncGenerator[Piece, None],
-        request_id: str,
-        model: str,
-        created: int,
-        num_prompt: int,
-        with_ids: bool,
-    ) -> AsyncGenerator[str, None]:
-        text_offset = 0
-        try:
-            async with aclosing(pieces):
-                async for piece in chain(first, pieces):
-                    last_usage = None
-                    if piece.finish_reason:
-                        last_usage = usage(
-                            num_prompt, piece.num_completion_tokens, piece.num_cached_tokens
-                        )
-                    ids = piece.token_ids if with_ids else None
-                    lps = completion_logprobs(
-                        service.tokenizer, piece.token_ids, piece.logprobs, text_offset
-                    )
-                    text_offset += len(piece.text)
-                    chunk = completion_chunk(
-                        request_id,
-                        model,
-                        created,
-                        piece.text,
-                        piece.finish_reason,
-                        last_usage,
-                        ids,
-                        lps,
-                    )
-                    yield sse(chunk)
-                    if piece.finish_reason:
-                        logger.info(
-                            "[%s] finished (%s) with %d tokens",
-                            request_id,
-                            piece.finish_reason,
-                            piece.num_completion_tokens,
-                        )
-        except EngineRequestError as e:
-            logger.error("[%s] failed: %s", request_id, e)
-            yield sse(error_body(str(e), "server_error"))
-        yield sse("[DONE]")
 
     async def models(request: Request) -> Response:
         created = now()
@@ -257,7 +158,9 @@ def create_app(
 
     return Starlette(
         routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route(
+                "/v1/completions", CompletionsRoute(service, max_choices).handle, methods=["POST"]
+            ),
             Route("/v1/chat/completions", chat_route.handle, methods=["POST"]),
             Route("/v1/messages", MessagesRoute(service, chat_route).handle, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),

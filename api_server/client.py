@@ -117,11 +117,12 @@ class EngineClient:
                 self.abort_nowait([request.request_id])
 
     def cancel(self, request_id: str) -> bool:
-        """Abort an in-flight request of this server; False if there is none by that id."""
-        if request_id not in self._queues:
-            return False
-        self.abort_nowait([request_id])
-        return True
+        """Abort an in-flight request of this server, with all its choices (``<id>-<k>``);
+        False if there is none by that id."""
+        ids = [r for r in self._queues if r == request_id or r.startswith(request_id + "-")]
+        if ids:
+            self.abort_nowait(ids)
+        return bool(ids)
 
     def reset_prefix_cache(self) -> None:
         self._send_queue.put_nowait(ResetPrefixCache())

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.responses import JSONResponse
 
 from api_server.client import EngineClient
@@ -153,17 +154,27 @@ class CompletionService:
         return max_tokens
 
     def start(
-        self, req: GenerationRequest, prompt_ids: list[int], info: ModelInfo, kind: str
+        self,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        info: ModelInfo,
+        kind: str,
+        request_id: str | None = None,
+        choice: int = 0,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
-        """Budget the completion, send the request, and return its id and its pieces."""
+        """Budget the completion, send the request, and return its id and its pieces.
+        Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
+        params = req.sampling_params(max_tokens)
+        if params.seed is not None and choice:
+            params = msgspec.structs.replace(params, seed=(params.seed + choice) % 2**63)
         engine_request = EngineRequest(
             request_id=request_id,
             client_id=self.client.client_id,
             prompt_token_ids=prompt_ids,
-            sampling_params=req.sampling_params(max_tokens),
+            sampling_params=params,
             arrival_time=time.time(),
             priority=req.priority,
             cache_salt=req.cache_salt,

@@ -91,12 +91,24 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | TokenIds
+    prompt: (
+        str | TokenIds | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    n: int = Field(default=1, ge=1)
+    echo: bool = False
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [[int(p) for p in self.prompt]]
+        return [str(p) for p in self.prompt]
 
 
 class ContentPart(_Strict):

@@ -126,6 +126,7 @@ class ServerConfig:
     grace_period_s: float = 2.0
     log_level: str = "info"
     max_body_bytes: int = 2 * 1024 * 1024
+    max_n: int = 16  # most choices (n x prompts) in one completions request
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
@@ -371,6 +372,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.server.max_body_bytes,
         help="larger request bodies get 413 (default: %(default)s)",
+    )
+    h.add_argument(
+        "--max-n",
+        type=int,
+        default=d.server.max_n,
+        help="most choices (n times the number of prompts) in one completions request (default: %(default)s)",
     )
     h.add_argument(
         "--api-key",

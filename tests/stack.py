@@ -113,7 +113,7 @@ class TandemStack:
         self.log_path.unlink(missing_ok=True)
 
 
-def completion(url: str, prompt: str | list[int], **params: Any) -> dict[str, Any]:
+def completion(url: str, prompt: str | list[int] | list[str], **params: Any) -> dict[str, Any]:
     body = {
         "model": "smollm2-135m-instruct",
         "prompt": prompt,

@@ -262,3 +262,73 @@ def test_seeded_request_is_the_same_alone_or_among_8(server: TandemStack) -> Non
             return results[0]
 
     assert asyncio.run(crowd()) == alone
+
+
+def test_several_prompts_and_choices(server: TandemStack) -> None:
+    out = completion(
+        server.url,
+        ["The capital of France is", "Two plus two is"],
+        max_tokens=6,
+        temperature=0,
+        return_token_ids=True,
+    )
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    alone = [
+        completion(server.url, p, max_tokens=6, temperature=0)["choices"][0]["text"]
+        for p in ("The capital of France is", "Two plus two is")
+    ]
+    assert [c["text"] for c in out["choices"]] == alone
+    prompt_tokens = sum(len(c["prompt_token_ids"]) for c in out["choices"])
+    assert out["usage"]["prompt_tokens"] == prompt_tokens
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+
+    sampled = completion(
+        server.url,
+        "My favourite food is",
+        n=3,
+        max_tokens=12,
+        temperature=1.0,
+        seed=5,
+        ignore_eos=True,
+    )
+    texts = [c["text"] for c in sampled["choices"]]
+    assert len(texts) == 3 and len(set(texts)) > 1  # choices differ
+    again = completion(
+        server.url,
+        "My favourite food is",
+        n=3,
+        max_tokens=12,
+        temperature=1.0,
+        seed=5,
+        ignore_eos=True,
+    )
+    assert [c["text"] for c in again["choices"]] == texts  # and a seed repeats them
+
+
+def test_streamed_choices_are_merged_with_indexes(server: TandemStack) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": ["The capital of France is", "Two plus two is"],
+        "n": 2,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "echo": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    for c in chunks:
+        choice = c["choices"][0]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert texts[0] == texts[1] and texts[0].startswith("The capital of France is")  # greedy + echo
+    assert texts[2].startswith("Two plus two is")
+    assert "usage" in chunks[-1] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_too_many_choices_is_refused(server: TandemStack) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "n": 17})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "n"
