@@ -165,6 +165,12 @@ class CompletionService:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
+        if req.min_tokens > max_tokens:
+            raise ApiError(
+                422,
+                f"'min_tokens' ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
         params = req.sampling_params(max_tokens)

@@ -52,6 +52,7 @@ class GenerationRequest(_Strict):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -87,6 +88,7 @@ class GenerationRequest(_Strict):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.num_logprobs(),
+            min_tokens=self.min_tokens,
         )
 
 

@@ -72,6 +72,7 @@ class SamplingParams(_Wire):
     presence_penalty: float = 0.0  # over output tokens
     frequency_penalty: float = 0.0  # over output tokens
     logprobs: int | None = None  # top-k logprobs per sampled token; 0 = only its own
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
 
     @property
     def greedy(self) -> bool:

@@ -166,6 +166,7 @@ class ModelRunner:
             token_ids=[s.token_ids for s in states],
             num_prompt_tokens=[s.num_prompt_tokens for s in states],
             vocab_size=logits.shape[-1],
+            eos_token_ids=self.model_info.eos_token_ids,
         )
         result = sample(logits, batch)
         for state, token in zip(states, result.token_ids, strict=True):

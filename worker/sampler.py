@@ -33,6 +33,7 @@ class SamplingBatch:
     generators: tuple[torch.Generator | None, ...]
     num_logprobs: tuple[int | None, ...]  # per row: top-k logprobs wanted (None = none)
     all_greedy: bool
+    banned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, token ids) not to sample now
 
     @staticmethod
     def build(
@@ -42,9 +43,10 @@ class SamplingBatch:
         token_ids: list[list[int]] | None = None,
         num_prompt_tokens: list[int] | None = None,
         vocab_size: int = 0,
+        eos_token_ids: Sequence[int] = (),
     ) -> SamplingBatch:
         """``token_ids`` / ``num_prompt_tokens`` (each row's tokens so far and how many are
-        prompt) are needed only when some row uses a penalty."""
+        prompt) are needed when some row uses a penalty or ``min_tokens``."""
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -56,7 +58,15 @@ class SamplingBatch:
                     "penalties need each row's token ids, prompt length and the vocabulary size"
                 )
             counts, seen = _token_counts(token_ids, num_prompt_tokens, vocab_size, device)
+        banned: list[tuple[int, tuple[int, ...]]] = []
+        for row, p in enumerate(params):
+            if p.min_tokens > 0:
+                if token_ids is None or num_prompt_tokens is None:
+                    raise ValueError("min_tokens needs each row's token ids and prompt length")
+                if len(token_ids[row]) - num_prompt_tokens[row] < p.min_tokens:
+                    banned.append((row, tuple({*eos_token_ids, *p.stop_token_ids})))
         return SamplingBatch(
+            banned=tuple(banned),
             temperature=column([p.temperature for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=column([p.top_p for p in params]),
@@ -104,6 +114,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """``logits``: [n, vocab] -> one token per row (and logprobs where asked)."""
     logits = logits.float()
     raw = logits
+    if batch.banned:
+        logits = logits.clone()
+        for row, ids in batch.banned:
+            logits[row, list(ids)] = float("-inf")
     if batch.output_counts is not None:
         logits = _apply_penalties(logits, batch)
     tokens = logits.argmax(dim=-1)

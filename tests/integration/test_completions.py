@@ -332,3 +332,18 @@ def test_streamed_choices_are_merged_with_indexes(server: TandemStack) -> None:
 def test_too_many_choices_is_refused(server: TandemStack) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "n": 17})
     assert r.status_code == 422 and r.json()["error"]["param"] == "n"
+
+
+def test_min_tokens_delays_eos(server: TandemStack) -> None:
+    prompt = "<|im_start|>user\nSay only: yes<|im_end|>\n<|im_start|>assistant\n"
+    short = completion(server.url, prompt, max_tokens=40, temperature=0)
+    assert (
+        short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 12
+    )
+    longer = completion(server.url, prompt, max_tokens=40, temperature=0, min_tokens=12)
+    assert longer["usage"]["completion_tokens"] >= 12
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3},
+    )
+    assert r.status_code == 422 and r.json()["error"]["param"] == "min_tokens"

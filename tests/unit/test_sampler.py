@@ -147,3 +147,23 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 def test_penalties_without_history_are_refused() -> None:
     with pytest.raises(ValueError, match="penalties need"):
         SamplingBatch.build([SamplingParams(presence_penalty=1.0)], [None], torch.device("cpu"))
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]])  # EOS (2) and stop token 1 are the likeliest
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[1])
+
+    def pick(num_output: int) -> int:
+        batch = SamplingBatch.build(
+            [params],
+            [None],
+            torch.device("cpu"),
+            token_ids=[[7] * (4 + num_output)],
+            num_prompt_tokens=[4],
+            vocab_size=4,
+            eos_token_ids=[2],
+        )
+        return sample(logits, batch).token_ids[0]
+
+    assert pick(0) == 3 and pick(2) == 3  # neither EOS nor the stop token before 3 outputs
+    assert pick(3) == 2
