@@ -26,6 +26,7 @@ from api_server.generation import (
     CompletionService,
 )
 from api_server.guard import BodyTooLarge, Guard, too_large_body
+from api_server.http_util import cancel_on_disconnect
 from api_server.http_util import parse as http_parse
 from api_server.protocol import (
     DetokenizeRequest,
@@ -47,6 +48,8 @@ def create_app(
     max_choices: int = 16,
 ) -> Starlette:
     chat_route = ChatRoute(service, chat_template)
+    completions = CompletionsRoute(service, max_choices)
+    messages = MessagesRoute(service, chat_route)
 
     async def parse(request: Request, schema: type[T]) -> T:
         return await http_parse(request, schema, service.served_model_name)
@@ -158,11 +161,11 @@ def create_app(
 
     return Starlette(
         routes=[
+            Route("/v1/completions", cancel_on_disconnect(completions.handle), methods=["POST"]),
             Route(
-                "/v1/completions", CompletionsRoute(service, max_choices).handle, methods=["POST"]
+                "/v1/chat/completions", cancel_on_disconnect(chat_route.handle), methods=["POST"]
             ),
-            Route("/v1/chat/completions", chat_route.handle, methods=["POST"]),
-            Route("/v1/messages", MessagesRoute(service, chat_route).handle, methods=["POST"]),
+            Route("/v1/messages", cancel_on_disconnect(messages.handle), methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import Response
 
 from api_server.generation import ApiError, EngineRequestError, Piece
 from api_server.protocol import validation_error_param
@@ -68,3 +71,36 @@ async def chain(first: Piece, rest: AsyncGenerator[Piece, None]) -> AsyncGenerat
 
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def cancel_on_disconnect(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Run ``handler`` but cancel it if the client goes away first, so a request still
+    queued or generating a non-streamed answer is aborted in the engine (the
+    generation's ``finally`` sends the abort). Streams are watched by Starlette itself
+    once the response starts."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        await request.body()  # read (and cache) the body first: the watcher reads the channel next
+        work = asyncio.ensure_future(handler(request))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=499)  # nobody is listening any more
+        return work.result()
+
+    return wrapped

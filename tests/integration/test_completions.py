@@ -347,3 +347,23 @@ def test_min_tokens_delays_eos(server: TandemStack) -> None:
         json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3},
     )
     assert r.status_code == 422 and r.json()["error"]["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streamed_request_is_aborted_when_its_client_leaves(
+    server: TandemStack, route: str
+) -> None:
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 3000, "ignore_eos": True}
+    body |= (
+        {"prompt": "Count:"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Count"}]}
+    )
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}{route}", json=body, timeout=1.5
+        )  # gives up; the connection closes
+    stats = wait_idle(
+        server.url, timeout_s=5.0
+    )  # 3,000 tokens would take minutes: only an abort frees it
+    assert stats["num_kv_blocks_in_use"] == 0
