@@ -172,20 +172,21 @@ class EngineCore:
         sock.close()
 
     def _output_loop(self, sock: zmq.Socket[bytes]) -> None:
-        hello_codec: Codec[ClientHello] = Codec(ClientHello)
+        # Decodes the only frame clients send here (hellos); encodes any output.
+        codec: Codec[ClientHello] = Codec(ClientHello)
         clients: set[bytes] = set()
         next_heartbeat = 0.0
         while not self._stop.is_set():
             while sock.poll(0):  # hellos from API servers that just connected
                 identity, frame = sock.recv_multipart()
                 try:
-                    hello_codec.decode(frame)
+                    codec.decode(frame)
                     clients.add(identity)
                 except msgspec.DecodeError:
                     self.num_malformed_frames += 1
             try:
                 client_id, message = self._outputs.get(timeout=0.02)
-                frame = hello_codec.encode(message)
+                frame = codec.encode(message)
                 targets = clients if isinstance(message, EngineDead) else {client_id}
                 for target in targets:
                     sock.send_multipart([target, frame])
@@ -193,7 +194,7 @@ class EngineCore:
                 pass
             now = time.monotonic()
             if now >= next_heartbeat:
-                beat = hello_codec.encode(EngineHeartbeat(self._ready, self._stats, self._model))
+                beat = codec.encode(EngineHeartbeat(self._ready, self._stats, self._model))
                 for target in clients:
                     sock.send_multipart([target, beat])
                 next_heartbeat = now + HEARTBEAT_INTERVAL_S

@@ -66,9 +66,5 @@ class Request:
     def num_tokens_to_compute(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
-
     def __repr__(self) -> str:
         return f"Request({self.request_id}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"
