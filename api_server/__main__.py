@@ -17,7 +17,9 @@ import uvicorn
 from api_server.app import create_app
 from api_server.client import EngineClient
 from api_server.generation import CompletionService
-from common.config import TandemConfig, parse_config
+from api_server.rate_limit import RateLimiter
+from common.cli_args import parse_config
+from common.config import TandemConfig
 from common.logs import setup_logging
 from common.model_files import resolve_model_dir
 from common.process import EXIT_ENGINE_DIED, die_with_parent
@@ -58,7 +60,10 @@ async def serve(config: TandemConfig) -> int:
     if config.model.chat_template:
         with open(config.model.chat_template) as f:
             chat_template = f.read()
-    service = CompletionService(config.served_model_name, tokenizer, client)
+    limiter = RateLimiter(config.server.rate_limit_rpm, config.server.rate_limit_tpm)
+    service = CompletionService(
+        config.served_model_name, tokenizer, client, limiter, config.server.log_requests
+    )
     app = create_app(
         service,
         chat_template,

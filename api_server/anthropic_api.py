@@ -14,25 +14,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_server.chat import ChatRoute
 from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece, collect
-from api_server.http_util import chain, first_piece, json_body
+from api_server.http_util import caller_of, chain, first_piece, json_body
 from api_server.protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
+    anthropic_error_body,
     validation_error_param,
 )
 
 logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 
 
 class _Strict(BaseModel):
@@ -94,12 +85,10 @@ class MessagesRequest(_Strict):
 
 
 def error_response(status: int, message: str) -> JSONResponse:
-    body = {
-        "type": "error",
-        "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message},
-    }
     return JSONResponse(
-        body, status, headers={"Retry-After": "1"} if status in (429, 503) else None
+        anthropic_error_body(status, message),
+        status,
+        headers={"Retry-After": "1"} if status in (429, 503) else None,
     )
 
 
@@ -138,7 +127,9 @@ class MessagesRoute:
         info = service.model_info()
         chat = req.as_chat()
         prompt_ids = self.chat.prompt_ids(chat)
-        request_id, pieces = service.start(chat, prompt_ids, info, "messages")
+        request_id, pieces = service.start(
+            chat, prompt_ids, info, "messages", caller=caller_of(request)
+        )
         message_id = "msg_" + request_id.split("-", 1)[1]
         first = await first_piece(pieces)
         base = {

@@ -28,6 +28,7 @@ from api_server.generation import (
 from api_server.guard import BodyTooLarge, Guard, too_large_body
 from api_server.http_util import cancel_on_disconnect
 from api_server.http_util import parse as http_parse
+from api_server.openapi import openapi_document
 from api_server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -98,6 +99,28 @@ def create_app(
         if not client.ready:
             return JSONResponse({"status": "loading", "model_loaded": False}, 503)
         return JSONResponse({"status": "ok", "model_loaded": True})
+
+    async def livez(request: Request) -> Response:
+        # Answering at all proves the event loop runs; nothing else is checked.
+        return JSONResponse({"status": "alive"})
+
+    async def readyz(request: Request) -> Response:
+        client = service.client
+        body: dict[str, Any] = {"role": client.role}
+        if client.is_dead:
+            return JSONResponse({**body, "status": "not_ready", "reason": client.dead_reason}, 503)
+        if client.model is None:
+            reason = "waiting for the engine core to answer"
+            return JSONResponse({**body, "status": "not_ready", "reason": reason}, 503)
+        if not client.ready:
+            reason = "workers are loading the model and warming up"
+            return JSONResponse({**body, "status": "not_ready", "reason": reason}, 503)
+        return JSONResponse({**body, "status": "ready"})
+
+    openapi = openapi_document(service.served_model_name)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi)
 
     async def stats(request: Request) -> Response:
         s = service.client.stats
@@ -170,6 +193,9 @@ def create_app(
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/livez", livez, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
@@ -180,5 +206,12 @@ def create_app(
             404: not_found,
             405: method_not_allowed,
         },
-        middleware=[Middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes)],
+        middleware=[
+            Middleware(
+                Guard,
+                api_keys=api_keys,
+                max_body_bytes=max_body_bytes,
+                limiter=service.limiter,
+            )
+        ],
     )

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece, collect
-from api_server.http_util import chain, first_piece, parse, sse
+from api_server.http_util import caller_of, chain, first_piece, parse, sse
 from api_server.protocol import ChatCompletionRequest, error_body, now, usage
 from common.messages import TokenLogprobs
 
@@ -77,7 +77,7 @@ class ChatRoute:
         req = await parse(request, ChatCompletionRequest, service.served_model_name)
         info = service.model_info()
         prompt_ids = self.prompt_ids(req)
-        request_id, pieces = service.start(req, prompt_ids, info, "chat")
+        request_id, pieces = service.start(req, prompt_ids, info, "chat", caller=caller_of(request))
         first = await first_piece(pieces)
         headers = {"X-Request-Id": request_id}
         if req.stream:

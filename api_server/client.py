@@ -57,6 +57,7 @@ class EngineClient:
         self.ready = False
         self.stats = SchedulerStats()
         self.model: ModelInfo | None = None
+        self.role = "unified"
         self.dead_reason: str | None = None
         self._last_heartbeat: float | None = None
         self.num_malformed_frames = 0
@@ -160,6 +161,7 @@ class EngineClient:
                 self.ready = message.ready
                 self.stats = message.stats
                 self.model = message.model or self.model
+                self.role = message.role
             elif isinstance(message, EngineDead):
                 self._mark_dead(f"engine core is down: {message.reason}")
 

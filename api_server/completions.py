@@ -25,7 +25,7 @@ from api_server.generation import (
     collect,
     completion_logprobs,
 )
-from api_server.http_util import first_piece, parse, sse
+from api_server.http_util import caller_of, first_piece, parse, sse
 from api_server.protocol import CompletionRequest, completion_chunk, error_body, now, usage
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,13 @@ class CompletionsRoute:
             for j in range(req.n):
                 k = len(choices)
                 _, pieces = service.start(
-                    req, prompt_ids, info, "completion", base if k == 0 else f"{base}-{k}", j
+                    req,
+                    prompt_ids,
+                    info,
+                    "completion",
+                    base if k == 0 else f"{base}-{k}",
+                    j,
+                    caller_of(request),
                 )
                 choices.append(Choice(k, prompt_ids, str(echo), pieces))
         try:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 from api_server.client import EngineClient
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.protocol import ErrorType, GenerationRequest, error_body, finish_reason_text
+from api_server.rate_limit import RateLimiter
 from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,22 @@ def completion_logprobs(
 
 
 class CompletionService:
-    """Everything the routes share: the tokenizer, the engine client, the model name."""
+    """Everything the routes share: the tokenizer, the engine client, the model name, the
+    token rate limiter. Prompts and outputs reach the log only with ``log_requests``."""
 
-    def __init__(self, served_model_name: str, tokenizer: Any, client: EngineClient) -> None:
+    def __init__(
+        self,
+        served_model_name: str,
+        tokenizer: Any,
+        client: EngineClient,
+        limiter: RateLimiter | None = None,
+        log_requests: bool = False,
+    ) -> None:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.client = client
+        self.limiter = limiter or RateLimiter()
+        self.log_requests = log_requests
 
     def model_info(self) -> ModelInfo:
         if self.client.is_dead:
@@ -161,9 +172,11 @@ class CompletionService:
         kind: str,
         request_id: str | None = None,
         choice: int = 0,
+        caller: str = "",
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
-        Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ."""
+        Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
+        ``caller`` is charged the prompt's tokens now and the completion's when it ends."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
         if req.min_tokens > max_tokens:
             raise ApiError(
@@ -193,10 +206,38 @@ class CompletionService:
             max_tokens,
             req.stream,
         )
-        return request_id, self.run(engine_request, req.stop_strings())
+        if self.log_requests:
+            logger.info(
+                "[%s] prompt: %r (params %s)",
+                request_id,
+                self.tokenizer.decode(prompt_ids),
+                msgspec.json.encode(params).decode(),
+            )
+        self.limiter.charge(caller, len(prompt_ids))
+        return request_id, self.run(engine_request, req.stop_strings(), caller)
 
-    async def run(self, request: EngineRequest, stops: list[str]) -> AsyncGenerator[Piece, None]:
+    async def run(
+        self, request: EngineRequest, stops: list[str], caller: str = ""
+    ) -> AsyncGenerator[Piece, None]:
         """Engine outputs -> text pieces; a stop string ends the request early."""
+        num_tokens = 0
+        texts: list[str] = []
+        try:
+            # aclosing: closing this generator must close the engine stream now (abort).
+            async with aclosing(self._pieces(request, stops)) as pieces:
+                async for piece in pieces:
+                    num_tokens = piece.num_completion_tokens
+                    if self.log_requests:
+                        texts.append(piece.text)
+                    yield piece
+        finally:
+            self.limiter.charge(caller, num_tokens)
+            if self.log_requests:
+                logger.info("[%s] output: %r", request.request_id, "".join(texts))
+
+    async def _pieces(
+        self, request: EngineRequest, stops: list[str]
+    ) -> AsyncGenerator[Piece, None]:
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
         matcher = StopStringMatcher(stops)
         num_tokens = 0

@@ -1,6 +1,9 @@
-"""ASGI middleware in front of every route: API keys and the request-body size limit.
+"""ASGI middleware in front of every route: API keys, per-caller request rate limits and
+the request-body size limit.
 
-Keys are kept only as SHA-256 digests and compared in constant time. Streaming
+Keys are kept only as SHA-256 digests and compared in constant time. The caller's
+identity (a key digest prefix, or the client address when no keys are set) is left in
+``scope["state"]["caller"]`` for the routes, which charge tokens to it. Streaming
 responses pass through untouched (pure ASGI, no response buffering).
 """
 
@@ -13,9 +16,14 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api_server.protocol import error_body
+from api_server.protocol import ErrorType, anthropic_error_body, error_body
+from api_server.rate_limit import RateLimited, RateLimiter
 
-OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/metrics", "/", "/favicon.ico"})
+OPEN_PATHS = frozenset(
+    {"/health", "/livez", "/readyz", "/metrics", "/", "/favicon.ico", "/openapi.json"}
+)
+OPEN_PREFIXES = ("/static/",)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
 
 
 class BodyTooLarge(Exception):
@@ -27,18 +35,29 @@ def _digest(key: str) -> bytes:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...],
+        max_body_bytes: int,
+        limiter: RateLimiter | None = None,
+    ) -> None:
         self.app = app
         self._digests = [_digest(k) for k in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.limiter = limiter or RateLimiter()
+
+    def caller(self, scope: Scope, headers: dict[str, str]) -> str:
+        """Who is calling, for rate limits: a key's digest prefix, else the client host."""
+        if self._digests:
+            return "key:" + _digest(_presented_key(headers)).hex()[:16]
+        client = scope.get("client")
+        return "host:" + (client[0] if client else "unknown")
 
     def authorized(self, headers: dict[str, str]) -> bool:
         if not self._digests:
             return True
-        auth = headers.get("authorization", "")
-        key = (
-            auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-        )
+        key = _presented_key(headers)
         given = _digest(key)
         # Compare against every key so the time taken says nothing about which matched.
         matches = [hmac.compare_digest(given, d) for d in self._digests]
@@ -49,15 +68,30 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in OPEN_PATHS and not self.authorized(headers):
+        path: str = scope["path"]
+        is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        if not is_open and not self.authorized(headers):
             message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
             await _reply(
                 send,
                 401,
-                error_body(message, "authentication_error", code="invalid_api_key"),
+                _error(path, 401, message, "authentication_error", "invalid_api_key"),
                 {"www-authenticate": "Bearer"},
             )
             return
+        caller = self.caller(scope, headers)
+        scope.setdefault("state", {})["caller"] = caller
+        if path in GENERATION_PATHS and scope["method"] == "POST":
+            try:
+                self.limiter.admit(caller)
+            except RateLimited as e:
+                await _reply(
+                    send,
+                    429,
+                    _error(path, 429, str(e), "rate_limit_error", "rate_limit_exceeded"),
+                    {"retry-after": e.retry_after_header},
+                )
+                return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reply(send, 413, too_large_body(self.max_body_bytes))
@@ -77,6 +111,20 @@ class Guard:
             return message
 
         return wrapped
+
+
+def _error(path: str, status: int, message: str, kind: ErrorType, code: str) -> dict[str, Any]:
+    """The error body in the dialect of the route asked for."""
+    if path == "/v1/messages":
+        return anthropic_error_body(status, message)
+    return error_body(message, kind, code=code)
+
+
+def _presented_key(headers: dict[str, str]) -> str:
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return headers.get("x-api-key", "")
 
 
 def too_large_body(limit: int) -> dict[str, Any]:

@@ -69,6 +69,11 @@ async def chain(first: Piece, rest: AsyncGenerator[Piece, None]) -> AsyncGenerat
         yield piece
 
 
+def caller_of(request: Request) -> str:
+    """The caller the ``Guard`` identified, for rate-limit charges."""
+    return str(request.scope.get("state", {}).get("caller", ""))
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 

@@ -151,7 +151,11 @@ class ChatCompletionRequest(GenerationRequest):
 
 def validation_error_param(error: ValidationError) -> tuple[str, str | None]:
     """A one-line message naming the offending field, and that field's name."""
-    first: Any = error.errors()[0]
+    errors: list[Any] = list(error.errors())
+    # For a union field (``stop``: a string or a list) pydantic reports one error per
+    # branch; the branch the value fits by type has the telling one ("at most 16 items",
+    # not "should be a valid string").
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     loc = ".".join(
         str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list"))
     )
@@ -220,3 +224,22 @@ def error_body(
     message: str, type_: ErrorType, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {
+        "type": "error",
+        "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message},
+    }

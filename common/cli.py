@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import TandemConfig, add_cli_args
+from common.cli_args import add_cli_args
+from common.config import TandemConfig
 from common.logs import setup_logging
 
 

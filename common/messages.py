@@ -165,12 +165,15 @@ class EngineHeartbeat(_Wire, tag=True):
     """Sent to every known client a few times a second: proves the engine alive.
 
     ``ready`` turns true once every worker has loaded the model and warmed up;
-    ``model`` carries what the workers found (context length, EOS ids, vocabulary).
+    ``model`` carries what the workers found (context length, EOS ids, vocabulary);
+    ``role`` is this engine's part in the service: ``unified`` (prefill and decode in one
+    pool), or ``prefill`` / ``decode`` when the pools are split.
     """
 
     ready: bool
     stats: SchedulerStats
     model: ModelInfo | None = None
+    role: str = "unified"
 
 
 class EngineDead(_Wire, tag=True):

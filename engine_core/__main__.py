@@ -8,7 +8,7 @@ import signal
 import sys
 from types import FrameType
 
-from common.config import parse_config
+from common.cli_args import parse_config
 from common.ipc import make_runtime_dir
 from common.logs import setup_logging
 from common.process import EXIT_WORKER_DIED, die_with_parent

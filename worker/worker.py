@@ -71,7 +71,7 @@ def run_worker(config: TandemConfig, rank: int, engine_address: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from common.config import add_cli_args
+    from common.cli_args import add_cli_args
     from common.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m worker")

@@ -129,6 +129,8 @@ def wait_idle(url: str, timeout_s: float = 5.0) -> dict[str, float]:
 
 
 def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack) -> None:
+    """8 streams, 4 dropped mid-way: the other 4 complete; nothing is left running."""
+
     async def stream(client: httpx.AsyncClient, drop_after: int | None) -> list[str]:
         # A dropped stream asks for far more tokens than the test waits for: only an
         # abort in the engine lets the stats return to zero in time.
@@ -153,7 +155,7 @@ def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack
 
     async def run() -> list[list[str]]:
         async with httpx.AsyncClient(timeout=120) as client:
-            busy = asyncio.gather(*(stream(client, 3 if i % 2 else None) for i in range(6)))
+            busy = asyncio.gather(*(stream(client, 3 if i % 2 else None) for i in range(8)))
             for _ in range(100):  # the streams are admitted within a step or two
                 during = (await client.get(f"{server.url}/stats")).json()
                 if during["num_kv_blocks_in_use"] > 0:
@@ -168,7 +170,7 @@ def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack
         last = json.loads(events[-2])
         assert last["choices"][0]["finish_reason"] == "length"
         assert last["usage"]["completion_tokens"] == 64
-    assert [len(events) for events in results[1::2]] == [3, 3, 3]
+    assert [len(events) for events in results[1::2]] == [3, 3, 3, 3]
     stats = wait_idle(server.url)
     assert stats["cache_usage"] == 0.0
     assert stats["num_kv_blocks_total"] > 0

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import CacheConfig, EngineAddresses, ModelConfig, SchedulerConfig, parse_config
+from common.cli_args import parse_config
+from common.config import CacheConfig, EngineAddresses, ModelConfig, SchedulerConfig
 
 
 def test_cli_round_trip() -> None:

@@ -1,0 +1,199 @@
+"""The command-line form of ``TandemConfig``: the flags of ``tandem serve``, which every
+process accepts, with their help texts and defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import API_KEYS_ENV, DTYPES, TandemConfig
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tandem serve``; every process accepts all of them."""
+    d = TandemConfig()
+    m = parser.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=d.model.model,
+        help="embedded model name (smollm2-135m-instruct) or a local Hugging Face "
+        "directory with config.json and safetensors (default: %(default)s)",
+    )
+    m.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send; default: the embedded name or the directory's basename",
+    )
+    m.add_argument(
+        "--dtype",
+        default=d.model.dtype,
+        choices=DTYPES,
+        help="weights and activations dtype; auto = bfloat16 where the CPU has "
+        "AVX512-BF16/AMX or on CUDA, else float32 (default: %(default)s)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens (prompt + output); default: the model's own",
+    )
+    m.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for /v1/chat/completions, replacing the model's own "
+        "(needed for models without one, such as gemma-3-270m)",
+    )
+    c = parser.add_argument_group("KV cache")
+    c.add_argument(
+        "--block-size",
+        type=int,
+        default=d.cache.block_size,
+        help="tokens per KV block (default: %(default)s)",
+    )
+    c.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=d.cache.kv_cache_gb,
+        help="memory for KV blocks in GiB (default: %(default)s)",
+    )
+    c.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact number of KV blocks, overriding --kv-cache-gb",
+    )
+    s = parser.add_argument_group("scheduler")
+    s.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.scheduler.max_num_seqs,
+        help="most requests in one step (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.scheduler.max_num_batched_tokens,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    s.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.scheduler.enable_chunked_prefill,
+        help="split prompts longer than the step budget over several steps (default: on)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.scheduler.long_prefill_token_threshold,
+        help="most tokens one prompt may take of a step, so decodes keep flowing; 0 = no cap (default: %(default)s)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.scheduler.enable_prefix_caching,
+        help="reuse the KV blocks of identical prompt prefixes (default: on)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default=d.scheduler.scheduling_policy,
+        choices=("fcfs", "priority"),
+        help="waiting order: arrival, or request priority (lower first) with aging (default: %(default)s)",
+    )
+    s.add_argument(
+        "--priority-aging-s",
+        type=float,
+        default=d.scheduler.priority_aging_s,
+        help="with --scheduling-policy priority, a waiting request gains one priority level per this many seconds (default: %(default)s)",
+    )
+    s.add_argument(
+        "--batching",
+        default=d.scheduler.batching,
+        choices=("continuous", "static"),
+        help="static: a batch forms, runs to completion, nothing joins meanwhile; for comparison only (default: %(default)s)",
+    )
+    s.add_argument(
+        "--batch-wait-timeout-s",
+        type=float,
+        default=d.scheduler.batch_wait_timeout_s,
+        help="with --batching static, how long a batch waits to fill (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.scheduler.max_waiting_requests,
+        help="queued requests beyond this are refused with 503 (default: %(default)s)",
+    )
+    h = parser.add_argument_group("server")
+    h.add_argument(
+        "--host", default=d.server.host, help="address the HTTP server binds (default: %(default)s)"
+    )
+    h.add_argument(
+        "--port", type=int, default=d.server.port, help="HTTP port (default: %(default)s)"
+    )
+    h.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=d.server.grace_period_s,
+        help="after a process dies, seconds to answer errors before the service exits (default: %(default)s)",
+    )
+    h.add_argument(
+        "--log-level",
+        default=d.server.log_level,
+        help="debug, info, warning or error (default: %(default)s)",
+    )
+    h.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.server.max_body_bytes,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    h.add_argument(
+        "--max-n",
+        type=int,
+        default=d.server.max_n,
+        help="most choices (n times the number of prompts) in one completions request (default: %(default)s)",
+    )
+    h.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on all but the "
+        f"health and metrics routes; repeatable; also read from {API_KEYS_ENV} (comma-separated)",
+    )
+    h.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        default=d.server.rate_limit_rpm,
+        help="requests per minute per API key (per client address without keys), sliding "
+        "window, answered 429 + Retry-After beyond it; 0 = unlimited (default: %(default)s)",
+    )
+    h.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=d.server.rate_limit_tpm,
+        help="prompt + completion tokens per minute per API key, sliding window; 0 = "
+        "unlimited (default: %(default)s)",
+    )
+    h.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=d.server.log_requests,
+        help="log prompts and outputs (with the request id); off by default for privacy",
+    )
+    a = parser.add_argument_group("engine sockets (set by `tandem serve`; for containers)")
+    a.add_argument(
+        "--input-address", default="", help="ZeroMQ address of the engine's request socket"
+    )
+    a.add_argument(
+        "--output-address", default="", help="ZeroMQ address of the engine's output socket"
+    )
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "tandem serve") -> TandemConfig:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return TandemConfig.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,38 @@
+"""The offline API: ``from api_server import LLM`` starts its own engine and workers,
+gives the server's greedy outputs, and leaves no process behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+from api_server import LLM, SamplingParams
+from tests.stack import TandemStack, completion
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_generate_matches_the_server_and_stops_cleanly(
+    server: TandemStack, smollm2_dir: Path
+) -> None:
+    before = set(psutil.Process().children(recursive=True))
+    with LLM(dtype="float32", max_model_len=1024) as llm:
+        started = set(psutil.Process().children(recursive=True)) - before
+        assert {p.cmdline()[2] for p in started if "-m" in p.cmdline()} >= {"engine_core"}
+        assert len(started) >= 2  # the engine core and its worker
+        results = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+        one = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0), stop=["."])
+        ids = llm.tokenizer.encode(PROMPTS[1])
+        by_ids = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0.0))
+    assert [r.prompt for r in results] == PROMPTS
+    for r in results:
+        served = completion(server.url, r.prompt, max_tokens=24, temperature=0)
+        assert r.outputs[0].text == served["choices"][0]["text"]
+        assert r.outputs[0].finish_reason == served["choices"][0]["finish_reason"]
+        assert len(r.outputs[0].token_ids) == served["usage"]["completion_tokens"]
+    assert "." not in one[0].outputs[0].text and one[0].outputs[0].finish_reason == "stop"
+    assert results[0].outputs[0].text.startswith(one[0].outputs[0].text)
+    assert by_ids[0].outputs[0].text == results[1].outputs[0].text
+    _, alive = psutil.wait_procs(list(started), timeout=10)
+    assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
