@@ -9,14 +9,17 @@ chunks or one JSON body. Errors are OpenAI error bodies.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from api_server.anthropic_api import MessagesRoute
 from api_server.chat import ChatRoute
@@ -28,6 +31,7 @@ from api_server.generation import (
 from api_server.guard import BodyTooLarge, Guard, too_large_body
 from api_server.http_util import cancel_on_disconnect
 from api_server.http_util import parse as http_parse
+from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import (
     DetokenizeRequest,
@@ -39,6 +43,26 @@ from api_server.protocol import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
+STATIC_DIR = Path(__file__).parent / "static"  # the chat page: plain HTML/JS/CSS
+
+ROUTE_PATHS = frozenset(
+    {
+        "/",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/livez",
+        "/readyz",
+        "/metrics",
+        "/stats",
+        "/openapi.json",
+        "/reset_prefix_cache",
+    }
+)
 
 
 def create_app(
@@ -100,6 +124,9 @@ def create_app(
             return JSONResponse({"status": "loading", "model_loaded": False}, 503)
         return JSONResponse({"status": "ok", "model_loaded": True})
 
+    async def chat_page(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
     async def livez(request: Request) -> Response:
         # Answering at all proves the event loop runs; nothing else is checked.
         return JSONResponse({"status": "alive"})
@@ -109,7 +136,7 @@ def create_app(
         body: dict[str, Any] = {"role": client.role}
         if client.is_dead:
             return JSONResponse({**body, "status": "not_ready", "reason": client.dead_reason}, 503)
-        if client.model is None:
+        if not client.heard_from_engine:
             reason = "waiting for the engine core to answer"
             return JSONResponse({**body, "status": "not_ready", "reason": reason}, 503)
         if not client.ready:
@@ -121,6 +148,9 @@ def create_app(
 
     async def openapi_json(request: Request) -> Response:
         return JSONResponse(openapi)
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(request: Request) -> Response:
         s = service.client.stats
@@ -184,6 +214,8 @@ def create_app(
 
     return Starlette(
         routes=[
+            Route("/", chat_page, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
             Route("/v1/completions", cancel_on_disconnect(completions.handle), methods=["POST"]),
             Route(
                 "/v1/chat/completions", cancel_on_disconnect(chat_route.handle), methods=["POST"]
@@ -197,6 +229,7 @@ def create_app(
             Route("/readyz", readyz, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
         ],
@@ -207,11 +240,12 @@ def create_app(
             405: method_not_allowed,
         },
         middleware=[
+            Middleware(HttpMetrics, metrics=service.metrics, routes=ROUTE_PATHS),
             Middleware(
                 Guard,
                 api_keys=api_keys,
                 max_body_bytes=max_body_bytes,
                 limiter=service.limiter,
-            )
+            ),
         ],
     )

@@ -88,6 +88,11 @@ class EngineClient:
         self._ctx.term()
 
     @property
+    def heard_from_engine(self) -> bool:
+        """Whether any heartbeat has arrived (the engine answers, ready or not)."""
+        return self._last_heartbeat is not None
+
+    @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 

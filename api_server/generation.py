@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 
 from api_server.client import EngineClient
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from api_server.metrics import Metrics
 from api_server.protocol import ErrorType, GenerationRequest, error_body, finish_reason_text
 from api_server.rate_limit import RateLimiter
 from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
@@ -106,7 +107,8 @@ def completion_logprobs(
 
 class CompletionService:
     """Everything the routes share: the tokenizer, the engine client, the model name, the
-    token rate limiter. Prompts and outputs reach the log only with ``log_requests``."""
+    token rate limiter, the metrics. Prompts and outputs reach the log only with
+    ``log_requests``."""
 
     def __init__(
         self,
@@ -115,10 +117,12 @@ class CompletionService:
         client: EngineClient,
         limiter: RateLimiter | None = None,
         log_requests: bool = False,
+        metrics: Metrics | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.client = client
+        self.metrics = metrics or Metrics(served_model_name, lambda: client.stats)
         self.limiter = limiter or RateLimiter()
         self.log_requests = log_requests
 
@@ -244,6 +248,7 @@ class CompletionService:
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet
         pending_logprobs: list[TokenLogprobs] = []
+        last_token_time: float | None = None
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
         async with aclosing(self.client.generate(request)) as outputs:
             async for out in outputs:
@@ -251,6 +256,13 @@ class CompletionService:
                     raise EngineRequestError(
                         out.error or "the engine failed this request", out.error_kind
                     )
+                if out.new_token_ids:  # timed on arrival, before the client reads it
+                    now = time.time()
+                    if last_token_time is None:
+                        self.metrics.ttft.observe(now - request.arrival_time)
+                    else:
+                        self.metrics.itl.observe(now - last_token_time)
+                    last_token_time = now
                 num_cached = max(num_cached, out.num_cached_tokens)
                 num_tokens += len(out.new_token_ids)
                 pending_ids += out.new_token_ids
@@ -259,6 +271,8 @@ class CompletionService:
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
                 if finish is not None and not matcher.hit:
                     text += matcher.flush()
+                if finish is not None:
+                    self.metrics.finished(finish, request.arrival_time, out.timings)
                 if text or finish is not None:
                     yield Piece(
                         text,

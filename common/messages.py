@@ -119,6 +119,15 @@ EngineInput = EngineRequest | AbortRequests | ResetPrefixCache
 # ---------------------------------------------------------------- engine -> api_server
 
 
+class RequestTimings(_Wire):
+    """Where a finished request spent its time in the engine, in seconds: waiting to be
+    first scheduled, from then to its first token (prefill), and after (decode)."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+
 class RequestOutput(_Wire):
     """New tokens of one request since its last output; ``finish_reason`` on the last."""
 
@@ -129,6 +138,7 @@ class RequestOutput(_Wire):
     error_kind: ErrorKind | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    timings: RequestTimings | None = None  # on the last output of a finished request
 
 
 class SchedulerStats(_Wire):
@@ -144,6 +154,14 @@ class SchedulerStats(_Wire):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0  # prompt tokens looked up
     prefix_cache_hits_total: int = 0  # of which found in the cache
+    num_prompt_tokens_total: int = 0  # prompt tokens of admitted requests
+    # Tokens per step as a cumulative histogram: counts of steps with at most
+    # ITERATION_TOKEN_BUCKETS[i] tokens (the last entry counts every step), and their sum.
+    iteration_tokens_buckets: list[int] = []
+    iteration_tokens_sum: int = 0
+
+
+ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ModelInfo(_Wire):

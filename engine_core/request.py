@@ -42,6 +42,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.first_output_sent = False
+        # Engine clock times for RequestTimings: received, first scheduled, first token.
+        self.received_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:

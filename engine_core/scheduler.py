@@ -26,9 +26,11 @@ from common.messages import (
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
+    RequestTimings,
     SchedulerOutput,
     SchedulerStats,
 )
+from engine_core.iteration_tokens import IterationTokens
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue, RequestQueue
@@ -69,7 +71,9 @@ class Scheduler:
         self.num_requests_total = 0
         self.num_generated_tokens_total = 0
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0
         self._last_num_scheduled = 0
+        self.iteration_tokens = IterationTokens()
 
     # ------------------------------------------------------------------ admission
 
@@ -82,6 +86,8 @@ class Scheduler:
             logger.warning("[%s] refused: %s", request.request_id, message)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, message, kind)
         self.requests[request.request_id] = request
+        self.num_prompt_tokens_total += request.num_prompt_tokens
+        request.received_time = self._clock()
         self.waiting.add(request)
         if self._static_wait_start is None:
             self._static_wait_start = self._clock()
@@ -149,6 +155,8 @@ class Scheduler:
         finished, self._finished_for_workers = self._finished_for_workers, []
         self._step_id += 1
         self._last_num_scheduled = self._step_budget - budget
+        if self._last_num_scheduled:
+            self.iteration_tokens.observe(self._last_num_scheduled)
         return SchedulerOutput(self._step_id, new_data, cached_data, num_scheduled, finished)
 
     def _admit_waiting(
@@ -180,6 +188,8 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.sent_to_workers = True
+            if request.scheduled_time is None:
+                request.scheduled_time = self._clock()
             self.running.append(request)
             self._static_quota = max(0, self._static_quota - 1)
             new_data.append(
@@ -263,10 +273,19 @@ class Scheduler:
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
                 request.first_output_sent = True
+                request.first_token_time = self._clock()
             if reason is not None:
                 self._finish(request, reason)
+                out.timings = self._timings(request)
             outputs.setdefault(request.client_id, []).append(out)
         return outputs
+
+    def _timings(self, request: Request) -> RequestTimings:
+        now = self._clock()
+        received = request.received_time or now
+        scheduled = request.scheduled_time or received
+        first = request.first_token_time or now
+        return RequestTimings(scheduled - received, first - scheduled, now - first)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
@@ -342,4 +361,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries_total=self.kv.prefix_queries,
             prefix_cache_hits_total=self.kv.prefix_hits,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            iteration_tokens_buckets=list(self.iteration_tokens.cumulative),
+            iteration_tokens_sum=self.iteration_tokens.total,
         )

@@ -65,6 +65,10 @@ def test_a_dying_process_fails_requests_and_stops_the_service(
     assert health.status_code == 503
     assert time.monotonic() - killed_at < 1.5  # noticed within about a second
     assert health.json()["status"] == "dead"
+    ready = httpx.get(f"{stack.url}/readyz", timeout=5)
+    assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
+    assert ready.json()["role"] == "unified" and ready.json()["reason"]
+    assert httpx.get(f"{stack.url}/livez", timeout=5).status_code == 200  # HTTP still runs
     new = httpx.post(
         f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5
     )
@@ -114,14 +118,27 @@ def test_api_server_alone_reports_loading_until_an_engine_comes(smollm2_dir: Pat
                 assert time.monotonic() < deadline, "api_server never answered"
                 time.sleep(0.2)
         assert (r.status_code, r.json()) == (503, {"status": "loading", "model_loaded": False})
+        assert httpx.get(f"{url}/livez", timeout=2).status_code == 200
+        ready = httpx.get(f"{url}/readyz", timeout=2)
+        assert ready.status_code == 503
+        assert ready.json() == {
+            "role": "unified",
+            "status": "not_ready",
+            "reason": "waiting for the engine core to answer",
+        }
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
 
         engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags])
         deadline = time.monotonic() + 120
+        reasons = set()
         while httpx.get(f"{url}/health", timeout=2).status_code != 200:
             assert time.monotonic() < deadline, "never became healthy"
+            reasons.add(httpx.get(f"{url}/readyz", timeout=2).json().get("reason"))
             time.sleep(0.2)
+        assert "workers are loading the model and warming up" in reasons
+        ready = httpx.get(f"{url}/readyz", timeout=2)
+        assert (ready.status_code, ready.json()) == (200, {"role": "unified", "status": "ready"})
         r = httpx.post(
             f"{url}/v1/completions",
             json={

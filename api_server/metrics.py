@@ -1,0 +1,184 @@
+"""Prometheus metrics, named as vLLM's with the prefix ``tandem:`` (so a vLLM dashboard
+ports by swapping the prefix), each labelled ``model_name``.
+
+Two kinds, and how several API-server processes add up:
+- engine-wide figures (running/waiting requests, KV usage, token counters, preemptions,
+  prefix-cache counters, tokens per step) come from the engine's own cumulative
+  ``SchedulerStats``; every API server exports the same values, so a scrape of any one
+  gives the whole engine (do not sum them across processes);
+- per-request latencies (TTFT, inter-token, end-to-end, queue, prefill, decode),
+  finished-request counts and HTTP counts are observed by the process that served the
+  request; with several processes, scrape each and sum by series (``sum by (le)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.messages import ITERATION_TOKEN_BUCKETS, RequestTimings, SchedulerStats
+
+PREFIX = "tandem:"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Engine-wide figures read from the latest stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels = ["model_name"]
+        value = [self._model]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        usage = s.num_kv_blocks_in_use / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", usage)
+        yield counter(
+            "prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens_total
+        )
+        yield counter("generation_tokens", "Generated tokens.", s.num_generated_tokens_total)
+        yield counter("num_preemptions", "Requests preempted.", s.num_preemptions_total)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries_total,
+        )  # fmt: skip
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            s.prefix_cache_hits_total,
+        )  # fmt: skip
+        if s.iteration_tokens_buckets:
+            h = HistogramMetricFamily(
+                PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=labels
+            )
+            bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            h.add_metric(
+                value,
+                list(zip(bounds, [float(c) for c in s.iteration_tokens_buckets], strict=True)),
+                float(s.iteration_tokens_sum),
+            )
+            yield h
+
+
+class Metrics:
+    """This process's registry: the engine collector plus per-request observations."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model_name))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time waiting to be first scheduled.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.http = Counter(
+            "http_requests",
+            "HTTP requests by route, method and status.",
+            ["handler", "method", "status"],
+            registry=self.registry,
+        )
+
+    def finished(self, reason: str, arrival_time: float, timings: RequestTimings | None) -> None:
+        self.success.labels(self.model_name, reason).inc()
+        self.e2e.observe(max(0.0, time.time() - arrival_time))
+        if timings is not None:
+            self.queue.observe(timings.queued_s)
+            self.prefill.observe(timings.prefill_s)
+            self.decode.observe(timings.decode_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HttpMetrics:
+    """ASGI middleware counting responses by route template, method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    def handler(self, path: str) -> str:
+        if path in self.routes:
+            return path
+        if path.startswith("/static/"):
+            return "/static"
+        if path.startswith("/v1/requests/"):
+            return "/v1/requests/{request_id}/cancel"
+        return "other"  # unknown paths share one series: no unbounded label values
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.http.labels(
+                self.handler(scope["path"]), scope["method"], str(status)
+            ).inc()

@@ -1,0 +1,157 @@
+"""A real Prometheus (Debian's, installed when missing) scrapes a running Tandem; its
+query API must show exactly the traffic sent. The Grafana dashboard may use only metric
+names this scrape saw."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import TandemStack, free_port
+from tests.system_packages import ensure_debian_package
+
+MODEL = "smollm2-135m-instruct"
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem.json"
+
+
+@pytest.fixture(scope="module")
+def scraped(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TandemStack, str]]:
+    binary = ensure_debian_package("prometheus", "prometheus")
+    workdir = tmp_path_factory.mktemp("prometheus")
+    with TandemStack() as stack:
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n"
+            "scrape_configs:\n  - job_name: tandem\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{stack.port}']\n"
+        )
+        port = free_port()
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            yield stack, f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def query(prometheus: str, expr: str) -> float | None:
+    r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+    result = r.json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def wait_for(prometheus: str, expr: str, expected: float, timeout_s: float = 60) -> float | None:
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        try:
+            value = query(prometheus, expr)
+        except httpx.HTTPError:
+            value = None  # Prometheus still starting
+        if value == expected:
+            return value
+        time.sleep(0.5)
+    return value
+
+
+def send_traffic(url: str) -> tuple[int, int]:
+    """Requests of known size; returns (requests, completion tokens)."""
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 7}),
+        ("/v1/completions", {"prompt": "Count: 1, 2,", "max_tokens": 12, "stream": True}),
+        ("/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 5}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9},
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Yo"}], "max_tokens": 4, "stream": True},
+        ),
+    ]
+    tokens = 0
+    for path, body in bodies:
+        body = {"model": MODEL, "ignore_eos": True, **body}
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            r.read()
+        tokens += int(body["max_tokens"])  # ignore_eos: every request runs to max_tokens
+    return len(bodies), tokens
+
+
+def test_prometheus_sees_the_traffic(scraped: tuple[TandemStack, str]) -> None:
+    stack, prometheus = scraped
+    assert wait_for(prometheus, 'up{job="tandem"}', 1.0) == 1.0, "Prometheus never scraped Tandem"
+    requests, tokens = send_traffic(stack.url)
+    model = f'{{model_name="{MODEL}"}}'
+    assert (
+        wait_for(prometheus, f"tandem:time_to_first_token_seconds_count{model}", requests)
+        == requests
+    )
+    assert wait_for(prometheus, f"tandem:generation_tokens_total{model}", tokens) == tokens
+    assert (
+        wait_for(prometheus, f"tandem:e2e_request_latency_seconds_count{model}", requests)
+        == requests
+    )
+    assert (
+        wait_for(
+            prometheus, 'sum(tandem:request_success_total{finished_reason="length"})', requests
+        )
+        == requests
+    )
+    itl = f"tandem:inter_token_latency_seconds_count{model}"
+    assert (
+        wait_for(prometheus, itl, tokens - requests) == tokens - requests
+    )  # one gap per later token
+    completions = 'http_requests_total{handler="/v1/completions",status="200"}'
+    assert wait_for(prometheus, completions, 3) == 3
+    assert wait_for(prometheus, f"tandem:num_requests_running{model}", 0) == 0
+
+
+def metric_names_seen(prometheus: str) -> set[str]:
+    r = httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10)
+    return set(r.json()["data"])
+
+
+def test_dashboard_uses_only_scraped_metric_names(scraped: tuple[TandemStack, str]) -> None:
+    _, prometheus = scraped
+    seen = metric_names_seen(prometheus)
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    used = {
+        name for e in exprs for name in re.findall(r"\b(?:tandem:[a-z_]+|http_requests_total)\b", e)
+    }
+    assert len(used) >= 12
+    assert used <= seen, f"dashboard names never scraped: {sorted(used - seen)}"
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in (
+        "first token",
+        "inter-token",
+        "end-to-end",
+        "throughput",
+        "running",
+        "kv cache",
+        "prefix",
+        "preemptions",
+    ):
+        assert topic in titles
