@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tandem-setup
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format bench clean
+.PHONY: setup serve test test-fast lint format bench bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,10 +41,19 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The standard set (about 30 minutes here). The llama-server peer is built apart, once,
+# by `make bench-peers`; without it the serving benchmark says so and goes on.
 bench: setup
+	$(PY) -m bench.floor
+	$(PY) -m bench.forward
+	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 8
 	$(PY) -m bench.concurrency
 	$(PY) -m bench.prefix_cache
 	$(PY) -m bench.interference
+
+# llama.cpp's llama-server from the llama-cpp-python sdist (about 10 minutes on 2 cores).
+bench-peers: setup
+	PIP=$(VENV)/bin/pip bash bench/peers/build_llama_server.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -77,6 +77,14 @@ def free_port() -> int:
 @contextmanager
 def tandem_server(*flags: str) -> Iterator[str]:
     """``tandem serve`` with these flags on a free port; yields its URL."""
+    with tandem_process(*flags) as (url, _):
+        yield url
+
+
+@contextmanager
+def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
+    """``tandem serve`` with these flags on a free port; yields its URL and the
+    launcher's pid (the engine, worker and API server are its children)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -104,7 +112,7 @@ def tandem_server(*flags: str) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError("tandem serve did not become healthy")
             time.sleep(0.3)
-        yield url
+        yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

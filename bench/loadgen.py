@@ -1,0 +1,111 @@
+"""Load over the real HTTP API: streaming ``/v1/completions`` requests sent by a fixed
+number of concurrent clients (closed loop) or at Poisson arrival times (open loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from bench.stats import RequestResult, chunk_text, parse_sse_line
+from bench.workloads import BenchRequest
+
+
+def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
+    """Greedy, exactly ``max_tokens`` tokens (EOS ignored), streamed with usage."""
+    return {
+        "model": model,
+        "prompt": request.prompt_ids,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_one(
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest, t0: float
+) -> RequestResult:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    usage_tokens: int | None = None
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", json=request_body(model, request)
+        ) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                chunk = parse_sse_line(line)
+                if chunk is None:
+                    continue
+                if chunk_text(chunk):
+                    stamps.append(time.perf_counter() - start)
+                usage = chunk.get("usage")
+                if usage:
+                    usage_tokens = int(usage["completion_tokens"])
+    except (httpx.HTTPError, RuntimeError) as e:
+        return RequestResult(start - t0, 0.0, [], time.perf_counter() - start, 0, str(e))
+    end = time.perf_counter() - start
+    return RequestResult(
+        start - t0,
+        stamps[0] if stamps else end,
+        stamps,
+        end,
+        usage_tokens if usage_tokens is not None else len(stamps),
+    )
+
+
+async def run_load(
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+) -> tuple[list[RequestResult], float]:
+    """Every request, in order; ``concurrency`` clients each send their next request when
+    the last one ends, or (``rate``) requests arrive as a Poisson process. Returns the
+    results and the wall time of the whole run."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give exactly one of concurrency and rate")
+    results: list[RequestResult | None] = [None] * len(requests)
+    # A fresh connection per request: a server closing an idle keep-alive connection
+    # (llama-server does) must not fail the next request sent on it.
+    limits = httpx.Limits(
+        max_connections=max(concurrency or 0, len(requests)) + 4, max_keepalive_connections=0
+    )
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        if concurrency is not None:
+            queue = list(enumerate(requests))[::-1]
+
+            async def worker() -> None:
+                while queue:
+                    i, req = queue.pop()
+                    results[i] = await send_one(client, url, model, req, t0)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            assert rate is not None
+            rng = random.Random(seed)
+            arrivals, t = [], 0.0
+            for _ in requests:
+                t += rng.expovariate(rate)
+                arrivals.append(t)
+
+            async def timed(i: int, req: BenchRequest, at: float) -> None:
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+                results[i] = await send_one(client, url, model, req, t0)
+
+            await asyncio.gather(
+                *(timed(i, r, a) for i, (r, a) in enumerate(zip(requests, arrivals, strict=True)))
+            )
+        wall = time.perf_counter() - t0
+    return [r for r in results if r is not None], wall

@@ -1,0 +1,76 @@
+"""llama.cpp's ``llama-server`` as a peer: built by ``make bench-peers`` into the cache,
+started on the same SmolLM2 GGUF with one parallel slot per concurrent client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from bench.harness import free_port
+from common.model_files import EMBEDDED_MODELS, cache_root, find_embedded_gguf
+
+VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
+
+
+def binary() -> Path | None:
+    path = cache_root() / f"llama.cpp-{VERSION}" / "bin" / "llama-server"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def gguf() -> Path:
+    return find_embedded_gguf(EMBEDDED_MODELS["smollm2-135m-instruct"])
+
+
+@contextmanager
+def llama_server(slots: int, context_per_slot: int = 1536) -> Iterator[tuple[str, int]]:
+    """Yields the URL and pid of a llama-server with ``slots`` parallel slots."""
+    exe = binary()
+    if exe is None:
+        raise FileNotFoundError("llama-server is not built; run `make bench-peers`")
+    port = free_port()
+    cmd = [
+        str(exe),
+        "-m",
+        str(gguf()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * context_per_slot),
+        "-t",
+        str(os.cpu_count() or 1),
+        "--no-webui",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become healthy")
+            time.sleep(0.3)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

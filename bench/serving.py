@@ -1,0 +1,305 @@
+"""``python -m bench.serving``: the serving benchmark. Tandem and its peers take the same
+seeded requests over one window, interleaved point by point (this host's speed drifts,
+so only figures from one run compare); a table on stdout, JSON in bench/results/, PNG
+plots in docs/img/.
+
+Systems (each skipped with a printed reason when unavailable):
+  tandem            tandem serve, continuous batching
+  tandem-static     tandem serve --batching static
+  llama-server      llama.cpp on the same SmolLM2 GGUF, one slot per client (make bench-peers)
+  hf-sequential     transformers generate, one request at a time
+  hf-static         transformers generate on padded batches of `concurrency` requests
+  hf-continuous     transformers' own continuous batching (generate_batch's manager)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.harness import print_table, tandem_process, write_results
+from bench.loadgen import run_load
+from bench.peers import llama_server as llama
+from bench.peers import transformers_peer as hf
+from bench.plots import cdf_plot, throughput_plot
+from bench.rss import PeakRss
+from bench.stats import RequestResult, Slo, summarize
+from bench.workloads import WORKLOADS, BenchRequest, make_requests
+
+SYSTEMS = ("tandem", "tandem-static", "llama-server", "hf-sequential", "hf-static", "hf-continuous")
+IMG = Path(__file__).parents[1] / "docs" / "img"
+Runner = Callable[[list[BenchRequest], int], tuple[list[RequestResult], float]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="mixed", choices=WORKLOADS)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals per second instead of fixed concurrency (HTTP systems only)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=32,
+        help="requests per measured point (default: %(default)s)",
+    )
+    p.add_argument(
+        "--requests-at-c1",
+        type=int,
+        default=None,
+        help="fewer requests at concurrency 1 (sequential points are slow)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: all)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--slo-ttft-s", type=float, default=2.0)
+    p.add_argument("--slo-itl-p95-s", type=float, default=0.2)
+    p.add_argument("--name", default=None, help="results name (default: serving-<workload>)")
+    return p.parse_args(argv)
+
+
+class Systems:
+    """Starts what each system needs once, keeps it up across points, and stops it."""
+
+    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+        self.args = args
+        self.stack = stack
+        self.runners: dict[str, Runner] = {}
+        self.pids: dict[str, int] = {}
+        self.skipped: dict[str, str] = {}
+        self.in_process: set[str] = set()  # their RSS is this process's alone
+        self.hf_services: dict[int, tuple[float, float, list[float]]] = {}
+        wanted = [s for s in args.systems.split(",") if s]
+        unknown = set(wanted) - set(SYSTEMS)
+        if unknown:
+            raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+        max_c = max(args.concurrency)
+        common = ("--dtype", args.dtype, "--max-num-seqs", str(max(64, max_c)))
+        for system in wanted:
+            try:
+                self._start(system, common, max_c)
+            except (FileNotFoundError, RuntimeError, ImportError) as e:
+                self.skipped[system] = str(e)
+
+    def _http(self, url: str, model: str) -> Runner:
+        rate = self.args.rate
+
+        def run(requests: list[BenchRequest], c: int) -> tuple[list[RequestResult], float]:
+            if rate is not None:
+                return asyncio.run(run_load(url, model, requests, rate=rate, seed=self.args.seed))
+            return asyncio.run(run_load(url, model, requests, concurrency=c))
+
+        return run
+
+    def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
+        if system in ("tandem", "tandem-static"):
+            flags = common + (("--batching", "static") if system == "tandem-static" else ())
+            url, pid = self.stack.enter_context(tandem_process(*flags))
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
+        elif system == "llama-server":
+            if llama.binary() is None:
+                raise FileNotFoundError("llama-server not built (run `make bench-peers`)")
+            url, pid = self.stack.enter_context(llama.llama_server(max_c))
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
+        else:
+            if self.args.rate is not None:
+                raise RuntimeError("in-process peers take fixed concurrency only")
+            model = self._hf_model()
+            self.pids[system] = os.getpid()
+            self.in_process.add(system)
+            if system == "hf-sequential":
+                self.runners[system] = self._hf_sequential(model)
+            elif system == "hf-static":
+                self.runners[system] = lambda reqs, c: hf.run_static_batches(model, reqs, c)
+            elif not hf.has_continuous_batching(model):
+                raise RuntimeError("this transformers has no continuous batching")
+            else:
+                self.runners[system] = lambda reqs, c: hf.run_continuous(model, reqs, c)
+
+    def _hf_model(self) -> Any:
+        if not hasattr(self, "_model"):
+            torch.set_num_threads(os.cpu_count() or 1)
+            self._model = hf.load_model(getattr(torch, self.args.dtype))
+        return self._model
+
+    def _hf_sequential(self, model: Any) -> Runner:
+        """Sequential service does not depend on the number of clients: each request is
+        measured once, at the first point that needs it, and reused after."""
+
+        def run(requests: list[BenchRequest], c: int) -> tuple[list[RequestResult], float]:
+            missing = [i for i in range(len(requests)) if i not in self.hf_services]
+            for i, service in zip(
+                missing, hf.run_sequential(model, [requests[i] for i in missing]), strict=True
+            ):
+                self.hf_services[i] = service
+            services = [self.hf_services[i] for i in range(len(requests))]
+            # Re-base each service on a back-to-back timeline, as one server would run them.
+            timeline, now = [], 0.0
+            for start, end, tokens in services:
+                timeline.append((now, now + end - start, [now + t - start for t in tokens]))
+                now += end - start
+            return hf.sequential_results(timeline, c)
+
+        return run
+
+
+def _points(args: argparse.Namespace) -> Iterator[tuple[int, list[BenchRequest]]]:
+    requests = make_requests(args.workload, args.num_requests, args.seed)
+    for c in args.concurrency:
+        n = args.requests_at_c1 if c == 1 and args.requests_at_c1 else args.num_requests
+        yield c, requests[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    slo = Slo(args.slo_ttft_s, args.slo_itl_p95_s)
+    name = args.name or f"serving-{args.workload}"
+    points: list[dict[str, Any]] = []
+    peaks: dict[str, int] = {}
+    with contextlib.ExitStack() as stack:
+        systems = Systems(args, stack)
+        for system, reason in systems.skipped.items():
+            print(f"skipped {system}: {reason}")
+        for c, requests in _points(args):
+            for system, run in systems.runners.items():
+                tree = system not in systems.in_process
+                with PeakRss(systems.pids[system], recursive=tree) as peak:
+                    results, wall = run(requests, c)
+                peaks[system] = max(peaks.get(system, 0), peak.bytes)
+                summary = summarize(results, wall, slo)
+                points.append(
+                    {
+                        "system": system,
+                        "concurrency": c,
+                        "summary": summary,
+                        "requests": [asdict(r) for r in results],
+                    }
+                )
+                print(
+                    f"{system:>14} c={c:<3} {summary['output_tok_s']:8.1f} tok/s  "
+                    f"ITL p50 {1000 * (summary['itl_s']['p50'] or 0):6.1f} ms  errors {summary['errors']}",
+                    flush=True,
+                )
+    report(args, name, points, peaks, systems.skipped)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def report(
+    args: argparse.Namespace,
+    name: str,
+    points: list[dict[str, Any]],
+    peaks: dict[str, int],
+    skipped: dict[str, str],
+) -> None:
+    rows = []
+    for p in points:
+        s = p["summary"]
+        rows.append(
+            [
+                p["system"], p["concurrency"], s["requests"], f"{s['output_tok_s']:.1f}",
+                f"{s['requests_s']:.2f}", _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p95"]),
+                _ms(s["ttft_s"]["p99"]), _ms(s["itl_s"]["p50"]), _ms(s["itl_s"]["p95"]),
+                _ms(s["itl_s"]["p99"]), _ms(s["e2e_s"]["p50"]), _ms(s["e2e_s"]["p95"]),
+                f"{s['goodput_requests']}/{s['requests']}",
+            ]
+        )  # fmt: skip
+    print(f"\n{args.workload} workload, {args.dtype}, seed {args.seed}; times in ms")
+    print_table(
+        ["system", "c", "reqs", "tok/s", "req/s", "TTFT p50", "p95", "p99", "ITL p50", "p95",
+         "p99", "e2e p50", "p95", "goodput"],
+        rows,
+    )  # fmt: skip
+    print("\npeak RSS (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in peaks.items()))
+    verdicts = yardstick(points, peaks)
+    for line in verdicts:
+        print(line)
+    path = write_results(
+        name,
+        {
+            "args": vars(args),
+            "points": points,
+            "peak_rss_bytes": peaks,
+            "skipped": skipped,
+            "yardstick": verdicts,
+        },
+    )
+    top = max(args.concurrency)
+    at_top = [p for p in points if p["concurrency"] == top]
+    plots = [
+        throughput_plot(points, IMG / f"{name}-throughput.png", f"{args.workload}: throughput"),
+        cdf_plot(
+            {p["system"]: [r["ttft_s"] for r in p["requests"] if r["error"] is None] for p in at_top},
+            IMG / f"{name}-ttft-cdf-c{top}.png", "TTFT (s)", f"{args.workload}, {top} clients: TTFT",
+        ),
+        cdf_plot(
+            {p["system"]: _itls(p["requests"]) for p in at_top},
+            IMG / f"{name}-itl-cdf-c{top}.png", "inter-token latency (s)",
+            f"{args.workload}, {top} clients: ITL",
+        ),
+    ]  # fmt: skip
+    print(f"\nwrote {path} and {', '.join(str(p) for p in plots)}")
+
+
+def _itls(requests: list[dict[str, Any]]) -> list[float]:
+    out = []
+    for r in requests:
+        t = r["token_times_s"]
+        out += [b - a for a, b in itertools.pairwise(t)]
+    return out
+
+
+def yardstick(points: list[dict[str, Any]], peaks: dict[str, int]) -> list[str]:
+    """Where Tandem stands against the goals in the benchmark issue, whichever way."""
+    by = {(p["system"], p["concurrency"]): p["summary"] for p in points}
+    lines = []
+    top = max(p["concurrency"] for p in points)
+    tandem = by.get(("tandem", top))
+    peers = {s: v for (s, c), v in by.items() if c == top and not s.startswith("tandem")}
+    if tandem and peers:
+        best = max(peers, key=lambda s: peers[s]["output_tok_s"])
+        ratio = tandem["output_tok_s"] / peers[best]["output_tok_s"]
+        itl_t, itl_b = tandem["itl_s"]["p95"], peers[best]["itl_s"]["p95"]
+        lines.append(
+            f"c={top}: tandem {tandem['output_tok_s']:.1f} tok/s = {ratio:.2f}x the best peer "
+            f"({best}, {peers[best]['output_tok_s']:.1f}); goal >= 4x -> "
+            f"{'met' if ratio >= 4 else 'NOT met'}; ITL p95 {_ms(itl_t)} vs {_ms(itl_b)} ms -> "
+            f"{'lower' if itl_t is not None and itl_b is not None and itl_t < itl_b else 'NOT lower'}"
+        )
+    for other in ("tandem-static", "hf-sequential"):
+        if tandem and (other, top) in by:
+            r = tandem["output_tok_s"] / by[(other, top)]["output_tok_s"]
+            lines.append(f"c={top}: tandem continuous = {r:.2f}x {other} in output tok/s")
+    single, llama_single = by.get(("tandem", 1)), by.get(("llama-server", 1))
+    if single and llama_single and single["itl_s"]["p50"] and llama_single["itl_s"]["p50"]:
+        r = single["itl_s"]["p50"] / llama_single["itl_s"]["p50"]
+        lines.append(
+            f"c=1: tandem ITL p50 = {r:.2f}x llama-server's; goal <= 1.2x -> "
+            f"{'met' if r <= 1.2 else 'NOT met'}"
+        )
+    if "tandem" in peaks and "llama-server" in peaks and peaks["llama-server"]:
+        r = peaks["tandem"] / peaks["llama-server"]
+        lines.append(
+            f"peak RSS: tandem (all processes) = {r:.2f}x llama-server's; goal <= 3x -> "
+            f"{'met' if r <= 3 else 'NOT met'}"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main()

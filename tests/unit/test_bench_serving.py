@@ -1,0 +1,77 @@
+"""The serving benchmark's own logic: SSE parsing, aggregates and goodput, workloads, and
+the closed-loop accounting of one-at-a-time peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.peers.transformers_peer import sequential_results
+from bench.stats import RequestResult, Slo, chunk_text, meets, parse_sse_line, summarize
+from bench.workloads import make_requests
+
+
+def test_sse_lines() -> None:
+    assert parse_sse_line(": keep-alive") is None
+    assert parse_sse_line("") is None
+    assert parse_sse_line("data: [DONE]") is None
+    chunk = parse_sse_line('data: {"choices": [{"text": "Hi", "index": 0}]}')
+    assert chunk is not None and chunk_text(chunk) == "Hi"
+    chat = parse_sse_line('data:{"choices": [{"delta": {"content": "yo"}}]}')
+    assert chat is not None and chunk_text(chat) == "yo"
+    usage = parse_sse_line('data: {"choices": [], "usage": {"completion_tokens": 3}}')
+    assert usage is not None and chunk_text(usage) == ""
+    with pytest.raises(RuntimeError, match="boom"):
+        parse_sse_line('data: {"error": {"message": "boom"}}')
+
+
+def result(ttft: float, gaps: list[float], error: str | None = None) -> RequestResult:
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestResult(0.0, ttft, times, times[-1], len(times), error)
+
+
+def test_summary_percentiles_throughput_and_goodput() -> None:
+    results = [
+        result(0.5, [0.1] * 9),  # meets both bounds
+        result(3.0, [0.1] * 9),  # TTFT too slow
+        result(0.5, [0.1] * 5 + [0.5] * 4),  # ITL p95 too slow
+        result(0.2, [], error="HTTP 503"),  # failed
+    ]
+    s = summarize(results, wall_s=10.0, slo=Slo(ttft_s=2.0, itl_p95_s=0.2))
+    assert (s["requests"], s["errors"]) == (4, 1)
+    assert s["output_tokens"] == 30
+    assert s["output_tok_s"] == pytest.approx(3.0)
+    assert s["requests_s"] == pytest.approx(0.3)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert s["itl_s"]["p50"] == pytest.approx(0.1)
+    assert s["goodput_requests"] == 1
+    assert s["goodput_req_s"] == pytest.approx(0.1)
+    assert meets(result(2.0, [0.19] * 20), Slo()) and not meets(result(2.01, []), Slo())
+    assert not meets(result(1.0, [0.1] * 10 + [0.3] * 2), Slo())  # p95 of gaps over 0.2
+
+
+def test_workloads_are_seeded_and_shaped() -> None:
+    mixed = make_requests("mixed", 32, seed=3)
+    assert mixed == make_requests("mixed", 32, seed=3) != make_requests("mixed", 32, seed=4)
+    assert all(32 <= len(r.prompt_ids) <= 1024 and 64 <= r.max_tokens <= 256 for r in mixed)
+    shared = make_requests("shared-prefix", 4)
+    assert len({tuple(r.prompt_ids[:1000]) for r in shared}) == 1
+    interference = make_requests("long-prompt-interference", 8)
+    assert [r.kind for r in interference].count("long") == 2
+    assert all(len(r.prompt_ids) == 2000 for r in interference if r.kind == "long")
+    assert [len(r.prompt_ids) for r in make_requests("single", 2)] == [256, 256]
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_requests("nope", 1)
+
+
+def test_sequential_peer_closed_loop_queueing() -> None:
+    # Three requests of 1 s service each (token at +0.5 s and +1 s), back to back.
+    services = [(float(i), float(i + 1), [i + 0.5, i + 1.0]) for i in range(3)]
+    alone, wall = sequential_results(services, concurrency=1)
+    assert wall == 3.0
+    assert [r.ttft_s for r in alone] == [0.5, 0.5, 0.5]  # each sent as the last one ended
+    crowd, _ = sequential_results(services, concurrency=3)
+    assert [r.ttft_s for r in crowd] == [0.5, 1.5, 2.5]  # all sent at once: they queue
+    assert [r.e2e_s for r in crowd] == [1.0, 2.0, 3.0]
+    assert [r.itls_s for r in crowd] == [[0.5]] * 3
