@@ -4,6 +4,7 @@ of our model classes, checking every tensor's name and shape."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,10 @@ import torch
 from safetensors import safe_open
 
 from worker.models.base import CausalLM
+from worker.models.packed_linear import can_pack, pack_linears
 from worker.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -71,4 +75,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
             + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
     model.fuse()
+    if can_pack(dtype, device):
+        logger.info("prepacked %d linear layers for oneDNN (bfloat16)", pack_linears(model))
     return model.eval()
