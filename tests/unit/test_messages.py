@@ -50,7 +50,16 @@ def test_tagged_unions_round_trip() -> None:
 def test_finish_reason_words() -> None:
     assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
     out = RequestOutput("r", [1], FinishReason.LENGTH)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], 1, None, None, 0, None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == [
+        "r",
+        [1],
+        1,
+        None,
+        None,
+        0,
+        None,
+        None,
+    ]
 
 
 @pytest.mark.parametrize("frame", [b"", b"\x93\x01", msgspec.msgpack.encode(["Nope", 1]), b"\xc1"])
