@@ -15,9 +15,12 @@ from bench.stats import RequestResult, chunk_text, parse_sse_line
 from bench.workloads import BenchRequest
 
 
-def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
+def request_body(
+    model: str, request: BenchRequest, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Greedy, exactly ``max_tokens`` tokens (EOS ignored), streamed with usage."""
     return {
+        **(extra or {}),
         "model": model,
         "prompt": request.prompt_ids,
         "max_tokens": request.max_tokens,
@@ -29,14 +32,19 @@ def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
 
 
 async def send_one(
-    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest, t0: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: BenchRequest,
+    t0: float,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
     start = time.perf_counter()
     stamps: list[float] = []
     usage_tokens: int | None = None
     try:
         async with client.stream(
-            "POST", f"{url}/v1/completions", json=request_body(model, request)
+            "POST", f"{url}/v1/completions", json=request_body(model, request, extra)
         ) as r:
             if r.status_code != 200:
                 await r.aread()
@@ -69,10 +77,11 @@ async def run_load(
     concurrency: int | None = None,
     rate: float | None = None,
     seed: int = 0,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Every request, in order; ``concurrency`` clients each send their next request when
-    the last one ends, or (``rate``) requests arrive as a Poisson process. Returns the
-    results and the wall time of the whole run."""
+    the last one ends, or (``rate``) requests arrive as a Poisson process; ``extra``
+    fields go into every body. Returns the results and the wall time of the run."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency and rate")
     results: list[RequestResult | None] = [None] * len(requests)
@@ -89,7 +98,7 @@ async def run_load(
             async def worker() -> None:
                 while queue:
                     i, req = queue.pop()
-                    results[i] = await send_one(client, url, model, req, t0)
+                    results[i] = await send_one(client, url, model, req, t0, extra)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
@@ -102,7 +111,7 @@ async def run_load(
 
             async def timed(i: int, req: BenchRequest, at: float) -> None:
                 await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-                results[i] = await send_one(client, url, model, req, t0)
+                results[i] = await send_one(client, url, model, req, t0, extra)
 
             await asyncio.gather(
                 *(timed(i, r, a) for i, (r, a) in enumerate(zip(requests, arrivals, strict=True)))

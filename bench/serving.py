@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from bench.harness import print_table, tandem_process, write_results
@@ -94,13 +95,21 @@ class Systems:
             except (FileNotFoundError, RuntimeError, ImportError) as e:
                 self.skipped[system] = str(e)
 
-    def _http(self, url: str, model: str) -> Runner:
+    def _http(self, url: str, model: str, llama_cpp: bool = False) -> Runner:
+        """Points reuse the same prompts, so no system may serve a point from a cache a
+        previous point filled: Tandem's prefix cache is reset before each point, and
+        llama-server is asked not to reuse its slots' prompt caches."""
         rate = self.args.rate
+        extra = {"cache_prompt": False} if llama_cpp else None
 
         def run(requests: list[BenchRequest], c: int) -> tuple[list[RequestResult], float]:
+            if not llama_cpp:
+                httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
             if rate is not None:
-                return asyncio.run(run_load(url, model, requests, rate=rate, seed=self.args.seed))
-            return asyncio.run(run_load(url, model, requests, concurrency=c))
+                return asyncio.run(
+                    run_load(url, model, requests, rate=rate, seed=self.args.seed, extra=extra)
+                )
+            return asyncio.run(run_load(url, model, requests, concurrency=c, extra=extra))
 
         return run
 
@@ -113,7 +122,7 @@ class Systems:
             if llama.binary() is None:
                 raise FileNotFoundError("llama-server not built (run `make bench-peers`)")
             url, pid = self.stack.enter_context(llama.llama_server(max_c))
-            self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, True), pid
         else:
             if self.args.rate is not None:
                 raise RuntimeError("in-process peers take fixed concurrency only")
