@@ -47,10 +47,6 @@ bench: setup
 	$(PY) -m bench.floor
 	$(PY) -m bench.forward
 	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 4
-	# 32 requests for 32 clients is one static batch; continuous batching shows when
-	# requests keep arriving: three per client.
-	$(PY) -m bench.serving --workload mixed --concurrency 32 --num-requests 96 \
-		--systems tandem,tandem-static --name serving-mixed-c32-96
 	$(PY) -m bench.prefix_cache
 	$(PY) -m bench.interference
 

@@ -100,22 +100,27 @@ def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tandem serve did not become healthy")
-            time.sleep(0.3)
+        wait_healthy(url, proc, "tandem serve", 300)
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], name: str, timeout_s: float) -> None:
+    """Until ``GET url/health`` answers 200; raises if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become healthy within {timeout_s:.0f} s")
+        time.sleep(0.3)
 
 
 def machine() -> dict[str, Any]:

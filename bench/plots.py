@@ -22,16 +22,7 @@ def throughput_plot(points: list[dict[str, Any]], path: Path, title: str) -> Pat
             label=system,
         )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "concurrent clients", "output tokens / s", title)
 
 
 def cdf_plot(series: dict[str, list[float]], path: Path, xlabel: str, title: str) -> Path:
@@ -44,8 +35,12 @@ def cdf_plot(series: dict[str, list[float]], path: Path, xlabel: str, title: str
         n = len(ordered)
         ax.step(ordered, [(i + 1) / n for i in range(n)], where="post", label=name)
     ax.set_xscale("log")
+    return _save(fig, ax, path, xlabel, "fraction of samples", title)
+
+
+def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of samples")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()

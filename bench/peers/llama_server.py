@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-from bench.harness import free_port
+from bench.harness import free_port, wait_healthy
 from common.model_files import EMBEDDED_MODELS, cache_root, find_embedded_gguf
 
 VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
@@ -54,18 +51,7 @@ def llama_server(slots: int, context_per_slot: int = 1536) -> Iterator[tuple[str
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become healthy")
-            time.sleep(0.3)
+        wait_healthy(url, proc, "llama-server", 120)
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
