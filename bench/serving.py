@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -172,7 +173,12 @@ def _points(args: argparse.Namespace) -> Iterator[tuple[int, list[BenchRequest]]
         yield c, requests[:n]
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the ExitStack: every server started is stopped
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args(argv)
     slo = Slo(args.slo_ttft_s, args.slo_itl_p95_s)
     name = args.name or f"serving-{args.workload}"
