@@ -9,6 +9,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,21 @@ from tests.stack import TandemStack, free_port
 from tests.system_packages import ensure_debian_package
 
 MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Scraped:
+    url: str  # Prometheus' base URL
+    requests: int  # requests sent to Tandem
+    tokens: int  # completion tokens they produced
+
+
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem.json"
 
 
 @pytest.fixture(scope="module")
-def scraped(
-    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TandemStack, str]]:
+def scraped(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
+    """Prometheus scraping a Tandem that has served `send_traffic`'s requests."""
     binary = ensure_debian_package("prometheus", "prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
     with TandemStack() as stack:
@@ -36,18 +45,28 @@ def scraped(
             f"      - targets: ['127.0.0.1:{stack.port}']\n"
         )
         port = free_port()
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        log_path = workdir / "prometheus.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        prometheus = f"http://127.0.0.1:{port}"
         try:
-            yield stack, f"http://127.0.0.1:{port}"
+            # A fresh Prometheus answers 503 until its TSDB is open; on a slow host that
+            # takes a while. Only a scraped target makes the tests below meaningful.
+            scrape_seen = wait_for(prometheus, 'up{job="tandem"}', 1.0, timeout_s=120)
+            assert scrape_seen == 1.0, (
+                f"Prometheus never scraped Tandem; its log:\n{log_path.read_text()[-3000:]}"
+            )
+            requests, tokens = send_traffic(stack.url)
+            yield Scraped(prometheus, requests, tokens)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -55,6 +74,7 @@ def scraped(
 
 def query(prometheus: str, expr: str) -> float | None:
     r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+    r.raise_for_status()  # 503 while Prometheus is still opening its TSDB
     result = r.json()["data"]["result"]
     return float(result[0]["value"][1]) if result else None
 
@@ -66,7 +86,7 @@ def wait_for(prometheus: str, expr: str, expected: float, timeout_s: float = 60)
         try:
             value = query(prometheus, expr)
         except httpx.HTTPError:
-            value = None  # Prometheus still starting
+            value = None  # not listening yet, or still opening its TSDB
         if value == expected:
             return value
         time.sleep(0.5)
@@ -98,10 +118,8 @@ def send_traffic(url: str) -> tuple[int, int]:
     return len(bodies), tokens
 
 
-def test_prometheus_sees_the_traffic(scraped: tuple[TandemStack, str]) -> None:
-    stack, prometheus = scraped
-    assert wait_for(prometheus, 'up{job="tandem"}', 1.0) == 1.0, "Prometheus never scraped Tandem"
-    requests, tokens = send_traffic(stack.url)
+def test_prometheus_sees_the_traffic(scraped: Scraped) -> None:
+    prometheus, requests, tokens = scraped.url, scraped.requests, scraped.tokens
     model = f'{{model_name="{MODEL}"}}'
     assert (
         wait_for(prometheus, f"tandem:time_to_first_token_seconds_count{model}", requests)
@@ -129,12 +147,17 @@ def test_prometheus_sees_the_traffic(scraped: tuple[TandemStack, str]) -> None:
 
 def metric_names_seen(prometheus: str) -> set[str]:
     r = httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10)
+    r.raise_for_status()
     return set(r.json()["data"])
 
 
-def test_dashboard_uses_only_scraped_metric_names(scraped: tuple[TandemStack, str]) -> None:
-    _, prometheus = scraped
-    seen = metric_names_seen(prometheus)
+def test_dashboard_uses_only_scraped_metric_names(scraped: Scraped) -> None:
+    # Every series of the traffic must have landed before the names are listed.
+    seen_requests = wait_for(
+        scraped.url, "sum(tandem:e2e_request_latency_seconds_count)", scraped.requests
+    )
+    assert seen_requests == scraped.requests
+    seen = metric_names_seen(scraped.url)
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     exprs.append(dashboard["templating"]["list"][1]["query"])
