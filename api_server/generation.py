@@ -137,7 +137,7 @@ class CompletionService:
         ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        bad = next((t for t in ids if t >= info.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise ApiError(
                 400,

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from api_server.client import EngineClient
-from api_server.generation import CompletionService, EngineRequestError, Piece
+from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece
 from common.cli_args import parse_config
 from common.config import EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
@@ -152,21 +152,14 @@ class LLM:
         ]
 
     def _request(self, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
-        ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("a prompt is empty")
-        model = self._client.model
-        if model is not None:
-            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"token id {bad} is outside the vocabulary (size {model.vocab_size})"
-                )
-            if len(ids) + params.max_tokens > model.max_model_len:
-                raise ValueError(
-                    f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
-                    f"context length {model.max_model_len}"
-                )
+        """The server's own checks (empty prompt, vocabulary, context length), raised
+        as ``ValueError`` instead of an HTTP error."""
+        try:
+            info = self._service.model_info()
+            ids = self._service.tokenize(prompt, info)
+            self._service.completion_budget(len(ids), params.max_tokens, info)
+        except ApiError as e:
+            raise ValueError(e.message) from None
         return EngineRequest(
             request_id=f"llm-{next(self._ids)}",
             client_id=self._client.client_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
+import pytest
 
 from api_server import LLM, SamplingParams
 from tests.stack import TandemStack, completion
@@ -25,6 +26,16 @@ def test_generate_matches_the_server_and_stops_cleanly(
         one = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0), stop=["."])
         ids = llm.tokenizer.encode(PROMPTS[1])
         by_ids = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0.0))
+        # Bad prompts fail with the server's messages, as ValueError, and nothing is sent.
+        refusals: list[tuple[str | list[int], str]] = [
+            ("", "empty"),
+            ([10**7], "outside the vocabulary"),
+            ("word " * 1100, "context length is 1024"),
+        ]
+        for prompt, message in refusals:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(prompt, SamplingParams(max_tokens=8))
+        after = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0))
     assert [r.prompt for r in results] == PROMPTS
     for r in results:
         served = completion(server.url, r.prompt, max_tokens=24, temperature=0)
@@ -34,5 +45,6 @@ def test_generate_matches_the_server_and_stops_cleanly(
     assert "." not in one[0].outputs[0].text and one[0].outputs[0].finish_reason == "stop"
     assert results[0].outputs[0].text.startswith(one[0].outputs[0].text)
     assert by_ids[0].outputs[0].text == results[1].outputs[0].text
+    assert after[0].outputs[0].text == results[0].outputs[0].text
     _, alive = psutil.wait_procs(list(started), timeout=10)
     assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
