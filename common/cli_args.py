@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import API_KEYS_ENV, DTYPES, TandemConfig
+from common.config import API_KEYS_ENV, ATTENTION_BACKENDS, DTYPES, TandemConfig
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a Jinja chat template file for /v1/chat/completions, replacing the model's own "
         "(needed for models without one, such as gemma-3-270m)",
+    )
+    m.add_argument(
+        "--attention-backend",
+        default=d.model.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="decode attention on CPU: native = Tandem's C++ kernel (built once with gcc, "
+        "cached), torch = PyTorch ops, auto = native when it builds (default: %(default)s)",
     )
     c = parser.add_argument_group("KV cache")
     c.add_argument(

@@ -18,6 +18,8 @@ from typing import Any, Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+AttentionBackend = Literal["auto", "native", "torch"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -34,6 +36,8 @@ class ModelConfig:
     dtype: DType = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
+    # Decode attention on CPU: native kernel (built once), PyTorch ops, or native if it builds.
+    attention_backend: AttentionBackend = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
@@ -42,6 +46,10 @@ class ModelConfig:
             f"--chat-template {self.chat_template!r} is not a file",
         )
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             f"--max-model-len must be positive, got {self.max_model_len}",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import CacheConfig
+from common.config import AttentionBackend, CacheConfig
 from common.messages import (
     CachedRequestData,
     ModelInfo,
@@ -27,6 +27,7 @@ from common.messages import (
 )
 from worker.attention import build_metadata
 from worker.models.loader import load_model, read_hf_config
+from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
 from worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,18 @@ def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
     )
 
 
+def pick_kernels(backend: AttentionBackend, device: torch.device) -> NativeKernels | None:
+    """The native CPU kernels when ``backend`` asks for them and they build (``auto``);
+    ``native`` fails loudly instead of falling back."""
+    if backend == "torch" or device.type != "cpu":
+        logger.info("decode attention: PyTorch ops on %s", device)
+        return None
+    kernels = load_native_kernels() if backend == "native" else try_load_native_kernels()
+    if kernels is not None:
+        logger.info("decode attention: native CPU kernel")
+    return kernels
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -73,8 +86,10 @@ class ModelRunner:
         device: torch.device,
         cache: CacheConfig,
         max_model_len: int | None,
+        attention_backend: AttentionBackend = "auto",
     ) -> None:
         self.device = device
+        self.kernels = pick_kernels(attention_backend, device)
         self.block_size = cache.block_size
         self.model = load_model(model_dir, dtype, device)
         self.model_info = read_model_info(model_dir, max_model_len)
@@ -139,7 +154,9 @@ class ModelRunner:
                 sample_ids.append(request_id)
         if not input_ids:
             return ModelRunnerOutput(step.step_id, [], [])
-        meta = build_metadata(block_tables, starts, lengths, self.block_size, self.device)
+        meta = build_metadata(
+            block_tables, starts, lengths, self.block_size, self.device, self.kernels
+        )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -44,6 +44,7 @@ def run_worker(config: TandemConfig, rank: int, engine_address: str) -> int:
             device,
             config.cache,
             config.model.max_model_len,
+            config.model.attention_backend,
         )
         runner.warm_up()
         logger.info(

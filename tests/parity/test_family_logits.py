@@ -1,8 +1,10 @@
 """Each family against transformers on a tiny random checkpoint, in float32: the same
-logits (max abs diff < 1e-4) whatever the batch, chunking or block placement."""
+logits (max abs diff < 1e-4) whatever the batch, chunking or block placement, with
+decode attention by PyTorch ops and by the native CPU kernel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from transformers import PreTrainedModel
 from tests.parity.families import FAMILIES, WINDOW, build
 from worker.attention import build_metadata
 from worker.models.loader import load_model
+from worker.native import NativeKernels, load_native_kernels
 
 BLOCK = 4
 TOL = 1e-4
@@ -38,7 +41,10 @@ def reference(family: tuple[Path, PreTrainedModel]) -> PreTrainedModel:
 class Paged:
     """Our model plus a KV cache, fed step by step like the model runner does."""
 
-    def __init__(self, checkpoint: Path, num_blocks: int = 64) -> None:
+    def __init__(
+        self, checkpoint: Path, kernels: NativeKernels | None, num_blocks: int = 64
+    ) -> None:
+        self.kernels = kernels
         self.model = load_model(checkpoint, torch.float32, torch.device("cpu"))
         self.caches = [
             torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK))
@@ -59,11 +65,19 @@ class Paged:
             [s[3] for s in seqs],
             BLOCK,
             torch.device("cpu"),
+            self.kernels,
         )
         logits = self.model.compute_logits(
             self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
         )
         return list(torch.split(logits, [s[3] for s in seqs]))
+
+
+@pytest.fixture(params=["torch", "native"])
+def make_paged(request: pytest.FixtureRequest, checkpoint: Path) -> Callable[[], Paged]:
+    """Decode attention by PyTorch ops (gather + SDPA) or by the native kernel."""
+    kernels = load_native_kernels() if request.param == "native" else None
+    return lambda: Paged(checkpoint, kernels)
 
 
 def ref_logits(reference: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
@@ -75,14 +89,16 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(0, 128, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_one_sequence(checkpoint: Path, reference: PreTrainedModel) -> None:
+def test_one_sequence(make_paged: Callable[[], Paged], reference: PreTrainedModel) -> None:
     tokens = prompt(1, 13)
-    (ours,) = Paged(checkpoint).step([(tokens, [0, 1, 2, 3], 0, 13)])
+    (ours,) = make_paged().step([(tokens, [0, 1, 2, 3], 0, 13)])
     assert (ours - ref_logits(reference, tokens)).abs().max() < TOL
 
 
-def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: PreTrainedModel) -> None:
-    paged = Paged(checkpoint)
+def test_mixed_batch_of_prefills_and_decodes(
+    make_paged: Callable[[], Paged], reference: PreTrainedModel
+) -> None:
+    paged = make_paged()
     a, b, c = prompt(2, 9), prompt(3, 5), prompt(4, 17)
     paged.step([(a, [10, 11, 12], 0, 8), (b, [20, 21], 0, 4)])  # a and b partly prefilled
     # One forward: a and b decode their last token while c prefills whole.
@@ -94,20 +110,22 @@ def test_mixed_batch_of_prefills_and_decodes(checkpoint: Path, reference: PreTra
     assert (lc - ref_logits(reference, c)).abs().max() < TOL
 
 
-def test_prompt_prefilled_in_three_chunks(checkpoint: Path, reference: PreTrainedModel) -> None:
+def test_prompt_prefilled_in_three_chunks(
+    make_paged: Callable[[], Paged], reference: PreTrainedModel
+) -> None:
     tokens = prompt(5, 23)
-    paged = Paged(checkpoint)
+    paged = make_paged()
     blocks = [7, 3, 9, 1, 5, 2]
     chunks = [paged.step([(tokens, blocks, s, n)])[0] for s, n in ((0, 6), (6, 10), (16, 7))]
     assert (torch.cat(chunks) - ref_logits(reference, tokens)).abs().max() < TOL
 
 
 def test_twenty_decode_steps_over_scattered_blocks(
-    checkpoint: Path, reference: PreTrainedModel
+    make_paged: Callable[[], Paged], reference: PreTrainedModel
 ) -> None:
     tokens = prompt(6, 7)
     blocks = [41, 3, 17, 60, 8, 29, 50]  # deliberately non-contiguous and unordered
-    paged = Paged(checkpoint)
+    paged = make_paged()
     (logits,) = paged.step([(tokens, blocks, 0, len(tokens))])
     for _ in range(20):
         ref = ref_logits(reference, tokens)[-1]
@@ -118,11 +136,11 @@ def test_twenty_decode_steps_over_scattered_blocks(
 
 
 def test_long_sequences_past_the_sliding_window(
-    checkpoint: Path, reference: PreTrainedModel
+    make_paged: Callable[[], Paged], reference: PreTrainedModel
 ) -> None:
     """Longer than Gemma3's window (8), prefilled in chunks then decoded, in a batch."""
     tokens, other = prompt(7, 5 * WINDOW), prompt(8, 3 * WINDOW + 3)
-    paged = Paged(checkpoint)
+    paged = make_paged()
     blocks_a, blocks_b = list(range(40, 52)), list(range(20, 30))
     a1, b1 = paged.step([(tokens, blocks_a, 0, 2 * WINDOW + 1), (other, blocks_b, 0, len(other))])
     (a2,) = paged.step([(tokens, blocks_a, 2 * WINDOW + 1, len(tokens) - 2 * WINDOW - 1)])
