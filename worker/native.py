@@ -31,6 +31,7 @@ SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
 CFLAGS = [
     "-O3",
     "-march=native",
+    "-fopenmp",  # at::parallel_for is OpenMP in torch's CPU builds; without it, one thread
     # Let gcc vectorize the float reductions (dot products, sums); no NaN/Inf reliance.
     "-fno-math-errno",
     "-fassociative-math",
