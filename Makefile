@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 # The native CPU kernels, compiled once for this CPU into ~/.cache/tandem/kernels
 # (a minute or two the first time), so no server start pays for it.
 NATIVE_STAMP := $(VENV)/.tandem-native
-$(NATIVE_STAMP): $(STAMP) $(wildcard worker/csrc/*.cpp) worker/native.py
+$(NATIVE_STAMP): $(STAMP) $(wildcard worker/csrc/*) worker/native.py
 	$(PY) -m worker.native
 	touch $(NATIVE_STAMP)
 

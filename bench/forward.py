@@ -155,10 +155,17 @@ def main() -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     path = write_results(
         f"forward-{args.model}-{dtype_name}",
-        {"model": args.model, "dtype": dtype_name, "context": CONTEXT, "results": results},
+        {
+            "model": args.model,
+            "dtype": dtype_name,
+            "context": CONTEXT,
+            "native_kernels": tandem.runner.kernels is not None,
+            "results": results,
+        },
     )
+    backend = "native kernels" if tandem.runner.kernels is not None else "PyTorch ops only"
     print(
-        f"\n{args.model}, {dtype_name}, {torch.get_num_threads()} threads; decode with {CONTEXT}-token contexts\n"
+        f"\n{args.model}, {dtype_name}, {torch.get_num_threads()} threads; decode with {CONTEXT}-token contexts; Tandem: {backend}\n"
     )
     print_table(["measure", "Tandem (ms | tok/s)", "transformers", "Tandem speedup"], rows)
     print(f"\nJSON: {path}")

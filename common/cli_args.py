@@ -46,8 +46,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default=d.model.attention_backend,
         choices=ATTENTION_BACKENDS,
-        help="decode attention on CPU: native = Tandem's C++ kernel (built once with gcc, "
-        "cached), torch = PyTorch ops, auto = native when it builds (default: %(default)s)",
+        help="on CPU: native = Tandem's C++ kernels for decode attention, KV writes, RoPE, "
+        "RMSNorm and SwiGLU (built once with gcc, cached), torch = PyTorch ops only, "
+        "auto = native when it builds (default: %(default)s)",
     )
     c = parser.add_argument_group("KV cache")
     c.add_argument(

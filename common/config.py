@@ -36,7 +36,7 @@ class ModelConfig:
     dtype: DType = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
-    # Decode attention on CPU: native kernel (built once), PyTorch ops, or native if it builds.
+    # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
 
     def __post_init__(self) -> None:

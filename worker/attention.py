@@ -163,14 +163,18 @@ def paged_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns ``[num_tokens, heads, dim]``."""
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    if meta.kernels is not None:
+        meta.kernels.write_kv(kv_cache, meta.slot_mapping, k, v)
+    else:
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    only_decodes = not meta.prefills  # then every token is a decode, in order
+    out = q if only_decodes else torch.empty_like(q)  # only_decodes returns od instead
     if meta.decode_token_indices is not None:
         assert meta.decode_block_table is not None  # built together
         assert meta.decode_context_lens is not None
-        qd = q.index_select(0, meta.decode_token_indices)  # [n, H, D]
+        # [n, H, D]; when every token is a decode, they are all of q, in order.
+        qd = q.contiguous() if only_decodes else q.index_select(0, meta.decode_token_indices)
         if meta.kernels is not None:
             od = meta.kernels.decode_attention(
                 qd,
@@ -185,6 +189,8 @@ def paged_attention(
             kd, vd = gather_blocks(kv_cache, meta.decode_block_table, meta.block_size)
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [n, KVH, L, D]
             od = _attend(qd.unsqueeze(2), kd, vd, meta.decode_mask(window), scale).squeeze(2)
+        if only_decodes:
+            return od
         out.index_copy_(0, meta.decode_token_indices, od)
     for chunk in meta.prefills:
         qp = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]

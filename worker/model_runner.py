@@ -70,11 +70,11 @@ def pick_kernels(backend: AttentionBackend, device: torch.device) -> NativeKerne
     """The native CPU kernels when ``backend`` asks for them and they build (``auto``);
     ``native`` fails loudly instead of falling back."""
     if backend == "torch" or device.type != "cpu":
-        logger.info("decode attention: PyTorch ops on %s", device)
+        logger.info("PyTorch ops only (no native kernels) on %s", device)
         return None
     kernels = load_native_kernels() if backend == "native" else try_load_native_kernels()
     if kernels is not None:
-        logger.info("decode attention: native CPU kernel")
+        logger.info("native CPU kernels: decode attention, KV writes, RoPE, RMSNorm, SwiGLU")
     return kernels
 
 
@@ -91,7 +91,7 @@ class ModelRunner:
         self.device = device
         self.kernels = pick_kernels(attention_backend, device)
         self.block_size = cache.block_size
-        self.model = load_model(model_dir, dtype, device)
+        self.model = load_model(model_dir, dtype, device, self.kernels)
         self.model_info = read_model_info(model_dir, max_model_len)
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype

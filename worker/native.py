@@ -27,7 +27,12 @@ from common.model_files import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [
+    CSRC / name
+    for name in ("module.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")
+]
+HEADERS = [CSRC / "simd.h"]
 CFLAGS = [
     "-O3",
     "-march=native",
@@ -37,6 +42,8 @@ CFLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
+    # No fused multiply-adds the source did not write: roundings must match PyTorch's.
+    "-ffp-contract=off",
 ]
 
 
@@ -52,6 +59,24 @@ class NativeKernels(Protocol):
         block_size: int,
     ) -> torch.Tensor: ...
 
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> torch.Tensor: ...
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...
+
+    def rotary_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+    ) -> None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 def _cpu_flags() -> str:
     try:
@@ -63,7 +88,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     for part in (" ".join(CFLAGS), torch.__version__, sys.version, _cpu_flags()):
         key.update(part.encode())

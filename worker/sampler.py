@@ -120,7 +120,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             logits[row, list(ids)] = float("-inf")
     if batch.output_counts is not None:
         logits = _apply_penalties(logits, batch)
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.max(dim=-1).indices  # first maximum, like argmax; much faster on CPU
     if not batch.all_greedy:
         greedy = batch.temperature == 0
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
@@ -130,7 +130,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         for row, generator in enumerate(batch.generators):
             if generator is not None:  # seeded rows redraw from their own stream
                 noise[row].exponential_(generator=generator)
-        tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
+        tokens = torch.where(greedy, tokens, (probs / noise).max(dim=-1).indices)
     token_list: list[int] = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
 

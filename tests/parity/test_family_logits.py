@@ -45,7 +45,7 @@ class Paged:
         self, checkpoint: Path, kernels: NativeKernels | None, num_blocks: int = 64
     ) -> None:
         self.kernels = kernels
-        self.model = load_model(checkpoint, torch.float32, torch.device("cpu"))
+        self.model = load_model(checkpoint, torch.float32, torch.device("cpu"), kernels)
         self.caches = [
             torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK))
             for _ in range(self.model.num_layers)

@@ -7,99 +7,19 @@
 // offset); q: [n, heads, head_dim] contiguous; block_table: [n, max_blocks] int64;
 // context_lens: [n] int64 (the query is the last position). window > 0 limits each
 // query to its last `window` positions (sliding-window layers).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-
-inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_lanes(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load_lanes(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for x <= 0: 2^k * e^r with |r| <= ln2/2, e^r by its Taylor series to r^7
-// (relative error ~1e-8, below float32 rounding of the sums it feeds).
-inline __m512 exp_lanes(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693147180559945309f), x);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-#endif
-
-template <typename T>
-inline float dot(const float* query, const T* key, int64_t dim) {
-#if defined(__AVX512F__)
-  if (dim % kLanes == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < dim; j += kLanes)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + j), load_lanes(key + j), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float acc = 0.f;
-  for (int64_t j = 0; j < dim; ++j) acc += query[j] * static_cast<float>(key[j]);
-  return acc;
-}
-
-template <typename T>
-inline void add_scaled(float* acc, float weight, const T* value, int64_t dim) {
-#if defined(__AVX512F__)
-  if (dim % kLanes == 0) {
-    const __m512 w = _mm512_set1_ps(weight);
-    for (int64_t j = 0; j < dim; j += kLanes)
-      _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(w, load_lanes(value + j), _mm512_loadu_ps(acc + j)));
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < dim; ++j) acc[j] += weight * static_cast<float>(value[j]);
-}
-
-// scores[0, n) := exp(scores - max); returns their sum.
-inline float softmax_numerators(float* scores, int64_t n) {
-  const float top = *std::max_element(scores, scores + n);
-  float sum = 0.f;
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 total = _mm512_setzero_ps();
-  for (; t + kLanes <= n; t += kLanes) {
-    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(scores + t), shift));
-    _mm512_storeu_ps(scores + t, e);
-    total = _mm512_add_ps(total, e);
-  }
-  sum = _mm512_reduce_add_ps(total);
-#endif
-  for (; t < n; ++t) {
-    scores[t] = std::exp(scores[t] - top);
-    sum += scores[t];
-  }
-  return sum;
-}
+using tandem::add_scaled;
+using tandem::dot;
+using tandem::softmax_numerators;
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
@@ -145,6 +65,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     }
   });
 }
+
+}  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens,
@@ -194,8 +116,3 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
-}

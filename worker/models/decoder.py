@@ -128,10 +128,13 @@ class Attention(nn.Module):
             )
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-            qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
-            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # q and k in one go
+            qk = qkv[:, : heads + kv_heads]  # q and k in one go
+        if meta.kernels is not None:
+            meta.kernels.rotary_(qk, cos, sin, heads + kv_heads)  # in place
+        else:
+            qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([heads, kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -160,8 +163,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         if not self.sandwich:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+            return x + self.mlp(h)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.native import NativeKernels
+
 
 class RMSNorm(nn.Module):
     """Llama-style: normalize in float32, cast back, then scale by ``weight``."""
@@ -24,6 +26,11 @@ class RMSNorm(nn.Module):
         )  # one fused kernel
         return self.weight * normed.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + add, norm(x + add))``: a residual add and the norm after it."""
+        x = x + add
+        return x, self(x)
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma-style: scale by ``1 + weight`` in float32, then cast back."""
@@ -36,6 +43,10 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + add
+        return x, self(x)
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,10 @@ class GatedMLP(nn.Module):
             supported = ", ".join(_ACTIVATIONS)
             raise ValueError(f"activation {activation!r} is not supported ({supported} are)")
         self.act = _ACTIVATIONS[activation]
+        self.activation = activation
         self.intermediate_size = intermediate_size
+        # Set by use_native_layers (CPU, silu): silu(gate) * up in one native pass.
+        self.native: NativeKernels | None = None
         self.gate_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
@@ -164,6 +178,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None and self.native is not None:
+            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:

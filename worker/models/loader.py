@@ -12,8 +12,10 @@ import torch
 from safetensors import safe_open
 
 from worker.models.base import CausalLM
+from worker.models.native_layers import use_native_layers
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.models.registry import model_class_for
+from worker.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model named by ``architectures`` and fill every parameter from disk.
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: NativeKernels | None = None,
+) -> CausalLM:
+    """Build the model named by ``architectures`` and fill every parameter from disk;
+    with ``kernels`` (CPU), its norms and SwiGLU run on native kernels.
 
     Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
     """
@@ -77,4 +85,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
     model.fuse()
     if can_pack(dtype, device):
         logger.info("prepacked %d linear layers for oneDNN (bfloat16)", pack_linears(model))
+    if kernels is not None and device.type == "cpu":
+        logger.info("%d norm and MLP modules on native kernels", use_native_layers(model, kernels))
     return model.eval()

@@ -1,0 +1,55 @@
+"""The native KV write, rotary and SwiGLU kernels against the PyTorch code they replace:
+bit-equal where only roundings are involved, within one bfloat16 step for silu (its exp
+is not PyTorch's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.models.layers import apply_rotary
+from worker.native import load_native_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_index_copy(dtype: torch.dtype) -> None:
+    kernels = load_native_kernels()
+    qkv = torch.randn(5, 9 + 2 * 3, 16).to(dtype)  # k and v are strided views, as in the model
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([40, 3, 17, 0, 63])
+    ours, ref = torch.zeros(2, 64, 3, 16, dtype=dtype), torch.zeros(2, 64, 3, 16, dtype=dtype)
+    kernels.write_kv(ours, slots, k, v)
+    ref[0].index_copy_(0, slots, k)
+    ref[1].index_copy_(0, slots, v)
+    assert torch.equal(ours, ref)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv(ours, torch.tensor([0, 1, 2, 3, 64]), k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_apply_rotary(dtype: torch.dtype) -> None:
+    kernels = load_native_kernels()
+    n, dim = 7, 64
+    qkv = (torch.randn(n, 4 + 2 * 2, dim) * 4).to(dtype)
+    angles = torch.arange(n).float()[:, None] * torch.rand(dim // 2)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected = apply_rotary(qkv[:, :6], cos, sin)
+    untouched = qkv[:, 6:].clone()
+    kernels.rotary_(qkv, cos, sin, 6)
+    assert torch.equal(qkv[:, :6], expected)
+    assert torch.equal(qkv[:, 6:], untouched)  # v is not rotated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    kernels = load_native_kernels()
+    gate_up = (torch.randn(6, 2 * 96) * 3).to(dtype)
+    gate, up = gate_up.split(96, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    ours = kernels.silu_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    else:
+        step = 2.0**-7 * expected.float().abs().clamp_min(1e-3)  # one bfloat16 step
+        assert ((ours.float() - expected.float()).abs() <= step).all()

@@ -1,0 +1,150 @@
+// Small fused steps of a decoder layer, each one pass instead of several PyTorch ops,
+// rounding where transformers' eager code rounds so bfloat16 results match it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+template <typename F>
+void for_each_dtype(at::ScalarType type, const char* name, F&& body) {
+  switch (type) {
+    case at::kFloat:
+      body(float{});
+      break;
+    case at::kBFloat16:
+      body(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      body(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, name, " supports float32, bfloat16 and float16");
+  }
+}
+
+}  // namespace
+
+// kv_cache[0, slots[i]] = k[i]; kv_cache[1, slots[i]] = v[i]  (k, v: [n, kv_heads, dim]).
+void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
+              "kv_cache must be contiguous [2, slots, kv_heads, dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "slots must be contiguous int64 [n]");
+  const int64_t n = slots.size(0), num_slots = kv_cache.size(1);
+  const int64_t row = kv_cache.size(2) * kv_cache.size(3);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) * t->size(2) == row &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                    t->scalar_type() == kv_cache.scalar_type(),
+                "k and v must be [n, kv_heads, dim] with contiguous rows, like kv_cache");
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of range");
+  const int64_t bytes = row * kv_cache.element_size();
+  char* keys = static_cast<char*>(kv_cache.data_ptr());
+  char* values = keys + num_slots * bytes;
+  const char* k_data = static_cast<const char*>(k.data_ptr());
+  const char* v_data = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(keys + slot[i] * bytes, k_data + i * k_stride, bytes);
+    std::memcpy(values + slot[i] * bytes, v_data + i * v_stride, bytes);
+  }
+}
+
+// In place on the first `heads` heads of x [n, >=heads, dim] (rows contiguous):
+// x = T(x * cos) + T(rotate_half(x) * sin), rotate_half(x) = cat(-x2, x1); cos/sin [n, dim].
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && heads <= x.size(1),
+              "x must be [n, heads, dim] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [n, dim] in x's dtype");
+  const int64_t n = x.size(0), dim = x.size(2), half = dim / 2, stride = x.stride(0);
+  for_each_dtype(x.scalar_type(), "rotary", [&](auto tag) {
+    using T = decltype(tag);
+    T* data = x.data_ptr<T>();
+    const T* c = cos.data_ptr<T>();
+    const T* s = sin.data_ptr<T>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const T* ci = c + i * dim;
+        const T* si = s + i * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* row = data + i * stride + h * dim;
+          int64_t j = 0;
+#if defined(__AVX512F__)
+          if (half % tandem::kLanes == 0) {
+            using tandem::load_lanes;
+            using tandem::round_lanes;
+            for (; j < half; j += tandem::kLanes) {
+              const __m512 x1 = load_lanes(row + j), x2 = load_lanes(row + j + half);
+              const __m512 a1 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(ci + j)));
+              const __m512 b1 = round_lanes<T>(
+                  _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load_lanes(si + j)));
+              const __m512 a2 = round_lanes<T>(_mm512_mul_ps(x2, load_lanes(ci + j + half)));
+              const __m512 b2 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(si + j + half)));
+              tandem::store_lanes(row + j, _mm512_add_ps(a1, b1));
+              tandem::store_lanes(row + j + half, _mm512_add_ps(a2, b2));
+            }
+          }
+#endif
+          for (; j < half; ++j) {
+            const float x1 = static_cast<float>(row[j]), x2 = static_cast<float>(row[j + half]);
+            // Each product is rounded to T, then their sum: as x * cos + rot * sin in T.
+            const T a1 = static_cast<T>(x1 * static_cast<float>(ci[j]));
+            const T b1 = static_cast<T>(-x2 * static_cast<float>(si[j]));
+            const T a2 = static_cast<T>(x2 * static_cast<float>(ci[j + half]));
+            const T b2 = static_cast<T>(x1 * static_cast<float>(si[j + half]));
+            row[j] = static_cast<T>(static_cast<float>(a1) + static_cast<float>(b1));
+            row[j + half] = static_cast<T>(static_cast<float>(a2) + static_cast<float>(b2));
+          }
+        }
+      }
+    });
+  });
+}
+
+// gate_up [n, 2 * d] -> T(T(silu(gate)) * up), [n, d].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [n, 2 * d]");
+  const int64_t n = gate_up.size(0), d = gate_up.size(1) / 2;
+  auto out = at::empty({n, d}, gate_up.options());
+  for_each_dtype(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = gate_up.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const T* g = in + i * 2 * d;
+        const T* u = g + d;
+        T* o = dst + i * d;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        using tandem::load_lanes;
+        for (; j + tandem::kLanes <= d; j += tandem::kLanes) {
+          const __m512 x = load_lanes(g + j);
+          const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 act = tandem::round_lanes<T>(
+              _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+          tandem::store_lanes(o + j, _mm512_mul_ps(act, load_lanes(u + j)));
+        }
+#endif
+        for (; j < d; ++j) {
+          const float x = static_cast<float>(g[j]);
+          const T act = static_cast<T>(x / (1.f + std::exp(-x)));
+          o[j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}

@@ -1,0 +1,24 @@
+// The Python module of Tandem's native CPU kernels (loaded by worker/native.py).
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& context_lens,
+                            double scale, int64_t window, int64_t block_size);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& add,
+                                                const at::Tensor& weight, double eps, bool gemma);
+void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v);
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention");
+  m.def("rms_norm", &rms_norm, "RMSNorm rows (llama or gemma style)");
+  m.def("write_kv", &write_kv, "write a step's K and V rows into their cache slots");
+  m.def("rotary_", &rotary_, "rotary embedding in place on the first heads");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (sum, normed)");
+}
