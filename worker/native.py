@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,6 +98,25 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
 
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs ``ninja`` from PATH; the one our ``ninja`` dependency installed sits
+    in this environment's bin, which is not on PATH unless the venv is activated."""
+    try:
+        import ninja
+
+        bin_dir = str(ninja.BIN_DIR)
+    except ImportError:  # a system ninja may still be on PATH
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
 @cache
 def load_native_kernels() -> NativeKernels:
     """The built module; raises if it cannot be built (no compiler, no ninja, ...).
@@ -104,13 +126,14 @@ def load_native_kernels() -> NativeKernels:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    module: Any = load(
-        name="tandem_native",
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=CFLAGS,
-        build_directory=str(directory),
-        verbose=False,
-    )
+    with _ninja_on_path():
+        module: Any = load(
+            name="tandem_native",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
     logger.info("native kernels ready in %.1f s (%s)", time.monotonic() - started, directory)
     return module
 
