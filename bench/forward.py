@@ -28,15 +28,20 @@ PREFILL = 512
 GREEDY = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call."""
-    fn()
-    samples = []
+def timed_pair(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of each after one warm-up call, calls alternating: this host's
+    speed drifts by tens of percent within minutes, and alternation shares the drift."""
+    first()
+    second()
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for fn, out in ((first, samples[0]), (second, samples[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 class TandemSide:
@@ -143,13 +148,10 @@ def main() -> None:
     tandem, hf = TandemSide(args.model, dtype), TransformersSide(args.model, dtype)
     rows, results = [], {}
     for batch in (1, 8, 32):
-        # Interleave the two sides so drift of this host's speed hits both alike.
-        t = timed(tandem.decode_step(batch), args.repeats)
-        h = timed(hf.decode_step(batch), args.repeats)
+        t, h = timed_pair(tandem.decode_step(batch), hf.decode_step(batch), args.repeats)
         results[f"decode_b{batch}"] = {"tandem_s": t, "transformers_s": h}
         rows.append([f"decode step, batch {batch}", 1000 * t, 1000 * h, h / t])
-    t = timed(tandem.prefill(), max(3, args.repeats // 4))
-    h = timed(hf.prefill(), max(3, args.repeats // 4))
+    t, h = timed_pair(tandem.prefill(), hf.prefill(), max(3, args.repeats // 4))
     results["prefill_512"] = {"tandem_s": t, "transformers_s": h}
     rows.append([f"prefill {PREFILL} tokens (tok/s)", PREFILL / t, PREFILL / h, h / t])
     dtype_name = str(dtype).removeprefix("torch.")
