@@ -48,12 +48,16 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The standard set (about 30 minutes here). The llama-server peer is built apart, once,
+# The standard set (about an hour here, most of it the transformers peers). The llama-server peer is built apart, once,
 # by `make bench-peers`; without it the serving benchmark says so and goes on.
 bench: setup
 	$(PY) -m bench.floor
 	$(PY) -m bench.forward
 	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 4
+	# 32 requests for 32 clients is one batch either way: continuous batching shows only
+	# when clients come back for more, so this point sends 3 requests per client.
+	$(PY) -m bench.serving --workload mixed --concurrency 32 --num-requests 96 \
+		--systems tandem,tandem-static --name serving-mixed-96
 	$(PY) -m bench.prefix_cache
 	$(PY) -m bench.interference
 
