@@ -62,7 +62,6 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor | None  # [num_decodes]
     # [num_decodes, max_blocks]: each decode's blocks, padded with block 0
     decode_block_table: torch.Tensor | None
-    decode_valid: torch.Tensor | None  # [num_decodes, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decodes]: the query is the last
     prefills: tuple[PrefillChunk, ...]
     # The native CPU decode kernel, which reads blocks in place; None: gather + SDPA.
@@ -71,11 +70,13 @@ class AttentionMetadata:
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool, once per window per step."""
-        assert self.decode_valid is not None and self.decode_context_lens is not None  # decodes
+        assert self.decode_block_table is not None and self.decode_context_lens is not None
         if window not in self._decode_masks:
-            allowed = self.decode_valid
+            # Built only on the PyTorch path: the native kernel takes the lengths.
+            width = self.decode_block_table.shape[1] * self.block_size
+            key_pos = torch.arange(width, device=self.decode_context_lens.device).unsqueeze(0)
+            allowed = key_pos < self.decode_context_lens.unsqueeze(1)
             if window is not None:
-                key_pos = torch.arange(allowed.shape[1], device=allowed.device).unsqueeze(0)
                 query_pos = self.decode_context_lens.unsqueeze(1) - 1
                 allowed = allowed & (key_pos > query_pos - window)
             self._decode_masks[window] = allowed[:, None, None, :]
@@ -116,18 +117,16 @@ def build_metadata(
     slot_mapping = torch.cat(slot_rows).to(device)
     if not decode_tables:
         return AttentionMetadata(
-            block_size, slot_mapping, None, None, None, None, tuple(prefills), kernels
+            block_size, slot_mapping, None, None, None, tuple(prefills), kernels
         )
     max_blocks = max(len(t) for t in decode_tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables])
     lens = torch.tensor(decode_lens, dtype=torch.long)
-    valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
     return AttentionMetadata(
         block_size=block_size,
         slot_mapping=slot_mapping,
         decode_token_indices=torch.tensor(decode_indices, dtype=torch.long, device=device),
         decode_block_table=table.to(device),
-        decode_valid=valid.to(device),
         decode_context_lens=lens.to(device),
         prefills=tuple(prefills),
         kernels=kernels,
