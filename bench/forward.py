@@ -161,11 +161,11 @@ def main() -> None:
             "model": args.model,
             "dtype": dtype_name,
             "context": CONTEXT,
-            "native_kernels": tandem.runner.kernels is not None,
+            "native_kernels": tandem.runner.ops.name == "native",
             "results": results,
         },
     )
-    backend = "native kernels" if tandem.runner.kernels is not None else "PyTorch ops only"
+    backend = "native kernels" if tandem.runner.ops.name == "native" else "PyTorch ops only"
     print(
         f"\n{args.model}, {dtype_name}, {torch.get_num_threads()} threads; decode with {CONTEXT}-token contexts; Tandem: {backend}\n"
     )

@@ -38,7 +38,7 @@ class Request:
         self.num_computed_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.sent_to_workers = False  # the workers hold state for it
-        self.cache_key_extra = (cache_salt or "").encode()
+        self.cache_salt = (cache_salt or "").encode()  # hashed into every block key
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.first_output_sent = False

@@ -170,7 +170,7 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             extend_block_hashes(
-                request.block_hashes, request.token_ids, self.kv.block_size, request.cache_key_extra
+                request.block_hashes, request.token_ids, self.kv.block_size, request.cache_salt
             )
             hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
             num_computed = len(hits) * self.kv.block_size
@@ -255,7 +255,7 @@ class Scheduler:
                     request.block_hashes,
                     request.token_ids,
                     self.kv.block_size,
-                    request.cache_key_extra,
+                    request.cache_salt,
                 )
                 self.kv.cache_full_blocks(
                     request_id, request.block_hashes, request.num_computed_tokens

@@ -14,11 +14,13 @@ call with a causal mask offset by the tokens already in the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from worker.native import NativeKernels
+if TYPE_CHECKING:
+    from worker.ops import Ops
 
 
 @dataclass(frozen=True)
@@ -64,15 +66,13 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None
     decode_context_lens: torch.Tensor | None  # [num_decodes]: the query is the last
     prefills: tuple[PrefillChunk, ...]
-    # The native CPU decode kernel, which reads blocks in place; None: gather + SDPA.
-    kernels: NativeKernels | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool, once per window per step."""
         assert self.decode_block_table is not None and self.decode_context_lens is not None
         if window not in self._decode_masks:
-            # Built only on the PyTorch path: the native kernel takes the lengths.
+            # Built only by the PyTorch path: the native kernel takes the lengths.
             width = self.decode_block_table.shape[1] * self.block_size
             key_pos = torch.arange(width, device=self.decode_context_lens.device).unsqueeze(0)
             allowed = key_pos < self.decode_context_lens.unsqueeze(1)
@@ -89,7 +89,6 @@ def build_metadata(
     chunk_lens: list[int],
     block_size: int,
     device: torch.device,
-    kernels: NativeKernels | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests scheduled in batch order; request ``i`` computes
     ``chunk_lens[i]`` tokens from position ``context_starts[i]``."""
@@ -116,9 +115,7 @@ def build_metadata(
         token_start += length
     slot_mapping = torch.cat(slot_rows).to(device)
     if not decode_tables:
-        return AttentionMetadata(
-            block_size, slot_mapping, None, None, None, tuple(prefills), kernels
-        )
+        return AttentionMetadata(block_size, slot_mapping, None, None, None, tuple(prefills))
     max_blocks = max(len(t) for t in decode_tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables])
     lens = torch.tensor(decode_lens, dtype=torch.long)
@@ -129,7 +126,6 @@ def build_metadata(
         decode_block_table=table.to(device),
         decode_context_lens=lens.to(device),
         prefills=tuple(prefills),
-        kernels=kernels,
     )
 
 
@@ -152,57 +148,58 @@ def gather_blocks(
     return kv[0].view(shape), kv[1].view(shape)
 
 
+def decode_attention_torch(
+    q: torch.Tensor,  # [num_decodes, heads, head_dim]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Decode attention by PyTorch ops: gather each decode's blocks, then one SDPA."""
+    assert meta.decode_block_table is not None  # only called when the step has decodes
+    keys, values = gather_blocks(kv_cache, meta.decode_block_table, meta.block_size)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [n, KVH, L, D]
+    return _attend(q.unsqueeze(2), keys, values, meta.decode_mask(window), scale).squeeze(2)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
     kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
+    ops: Ops,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns ``[num_tokens, heads, dim]``."""
-    if meta.kernels is not None:
-        meta.kernels.write_kv(kv_cache, meta.slot_mapping, k, v)
-    else:
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    ops.write_kv(kv_cache, meta.slot_mapping, k, v)
     only_decodes = not meta.prefills  # then every token is a decode, in order
-    out = q if only_decodes else torch.empty_like(q)  # only_decodes returns od instead
+    out = q if only_decodes else torch.empty_like(q)  # only_decodes returns decode_out instead
     if meta.decode_token_indices is not None:
-        assert meta.decode_block_table is not None  # built together
-        assert meta.decode_context_lens is not None
         # [n, H, D]; when every token is a decode, they are all of q, in order.
-        qd = q.contiguous() if only_decodes else q.index_select(0, meta.decode_token_indices)
-        if meta.kernels is not None:
-            od = meta.kernels.decode_attention(
-                qd,
-                kv_cache,
-                meta.decode_block_table,
-                meta.decode_context_lens,
-                scale,
-                window or 0,
-                meta.block_size,
-            )
-        else:
-            kd, vd = gather_blocks(kv_cache, meta.decode_block_table, meta.block_size)
-            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [n, KVH, L, D]
-            od = _attend(qd.unsqueeze(2), kd, vd, meta.decode_mask(window), scale).squeeze(2)
+        decode_q = q if only_decodes else q.index_select(0, meta.decode_token_indices)
+        decode_out = ops.decode_attention(decode_q, kv_cache, meta, scale, window)
         if only_decodes:
-            return od
-        out.index_copy_(0, meta.decode_token_indices, od)
+            return decode_out
+        out.index_copy_(0, meta.decode_token_indices, decode_out)
     for chunk in meta.prefills:
-        qp = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
+        chunk_q = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
         if chunk.context_start == 0:
-            kp, vp = k[chunk.token_start : chunk.token_end], v[chunk.token_start : chunk.token_end]
+            keys = k[chunk.token_start : chunk.token_end]
+            values = v[chunk.token_start : chunk.token_end]
         else:
-            kp, vp = gather_blocks(kv_cache, chunk.block_ids, meta.block_size)
-            kp, vp = kp[: chunk.context_end], vp[: chunk.context_end]
+            keys, values = gather_blocks(kv_cache, chunk.block_ids, meta.block_size)
+            keys, values = keys[: chunk.context_end], values[: chunk.context_end]
         # A leading batch dim of 1: 3-D inputs take a much slower SDPA kernel on CPU.
-        op = _attend(
-            qp[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], chunk.mask(window), scale
+        chunk_out = _attend(
+            chunk_q[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            chunk.mask(window),
+            scale,
         )
-        out[chunk.token_start : chunk.token_end] = op[0].transpose(0, 1)
+        out[chunk.token_start : chunk.token_end] = chunk_out[0].transpose(0, 1)
     return out
 
 

@@ -27,7 +27,7 @@ from common.messages import (
 )
 from worker.attention import build_metadata
 from worker.models.loader import load_model, read_hf_config
-from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
+from worker.ops import pick_ops
 from worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -66,18 +66,6 @@ def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
     )
 
 
-def pick_kernels(backend: AttentionBackend, device: torch.device) -> NativeKernels | None:
-    """The native CPU kernels when ``backend`` asks for them and they build (``auto``);
-    ``native`` fails loudly instead of falling back."""
-    if backend == "torch" or device.type != "cpu":
-        logger.info("PyTorch ops only (no native kernels) on %s", device)
-        return None
-    kernels = load_native_kernels() if backend == "native" else try_load_native_kernels()
-    if kernels is not None:
-        logger.info("native CPU kernels: decode attention, KV writes, RoPE, RMSNorm, SwiGLU")
-    return kernels
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -89,9 +77,9 @@ class ModelRunner:
         attention_backend: AttentionBackend = "auto",
     ) -> None:
         self.device = device
-        self.kernels = pick_kernels(attention_backend, device)
+        self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
-        self.model = load_model(model_dir, dtype, device, self.kernels)
+        self.model = load_model(model_dir, dtype, device, self.ops)
         self.model_info = read_model_info(model_dir, max_model_len)
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype
@@ -154,9 +142,7 @@ class ModelRunner:
                 sample_ids.append(request_id)
         if not input_ids:
             return ModelRunnerOutput(step.step_id, [], [])
-        meta = build_metadata(
-            block_tables, starts, lengths, self.block_size, self.device, self.kernels
-        )
+        meta = build_metadata(block_tables, starts, lengths, self.block_size, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

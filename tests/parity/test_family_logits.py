@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from tests.parity.families import FAMILIES, WINDOW, build
 from worker.attention import build_metadata
 from worker.models.loader import load_model
-from worker.native import NativeKernels, load_native_kernels
+from worker.native import load_native_kernels
+from worker.ops import NativeOps, Ops, TorchOps
 
 BLOCK = 4
 TOL = 1e-4
@@ -41,11 +42,8 @@ def reference(family: tuple[Path, PreTrainedModel]) -> PreTrainedModel:
 class Paged:
     """Our model plus a KV cache, fed step by step like the model runner does."""
 
-    def __init__(
-        self, checkpoint: Path, kernels: NativeKernels | None, num_blocks: int = 64
-    ) -> None:
-        self.kernels = kernels
-        self.model = load_model(checkpoint, torch.float32, torch.device("cpu"), kernels)
+    def __init__(self, checkpoint: Path, ops: Ops, num_blocks: int = 64) -> None:
+        self.model = load_model(checkpoint, torch.float32, torch.device("cpu"), ops)
         self.caches = [
             torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK))
             for _ in range(self.model.num_layers)
@@ -65,7 +63,6 @@ class Paged:
             [s[3] for s in seqs],
             BLOCK,
             torch.device("cpu"),
-            self.kernels,
         )
         logits = self.model.compute_logits(
             self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
@@ -75,9 +72,9 @@ class Paged:
 
 @pytest.fixture(params=["torch", "native"])
 def make_paged(request: pytest.FixtureRequest, checkpoint: Path) -> Callable[[], Paged]:
-    """Decode attention by PyTorch ops (gather + SDPA) or by the native kernel."""
-    kernels = load_native_kernels() if request.param == "native" else None
-    return lambda: Paged(checkpoint, kernels)
+    """Every op by PyTorch (gather + SDPA for decode attention) or by the native kernels."""
+    ops: Ops = NativeOps(load_native_kernels()) if request.param == "native" else TorchOps()
+    return lambda: Paged(checkpoint, ops)
 
 
 def ref_logits(reference: PreTrainedModel, tokens: list[int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from worker.attention import build_metadata, paged_attention
 from worker.native import load_native_kernels
+from worker.ops import NativeOps, TorchOps
 
 BLOCK = 16
 
@@ -58,16 +59,17 @@ def test_kernel_matches_reference_and_torch_path(
     assert (ours.double() - exact).abs().max() < tol
 
     # The model's entry point, both ways: the new tokens' K/V are written, then attended.
-    metas = []
-    for kern in (None, kernels):
-        meta = build_metadata(
-            tables, [n - 1 for n in lens], [1] * len(lens), BLOCK, torch.device("cpu"), kern
-        )
-        metas.append(meta)
-    slots = metas[0].slot_mapping
+    meta = build_metadata(
+        tables, [n - 1 for n in lens], [1] * len(lens), BLOCK, torch.device("cpu")
+    )
+    slots = meta.slot_mapping
     k_last, v_last = cache[0, slots].clone(), cache[1, slots].clone()
-    torch_path = paged_attention(q, k_last, v_last, cache.clone(), metas[0], scale, window or None)
-    native_path = paged_attention(q, k_last, v_last, cache.clone(), metas[1], scale, window or None)
+    torch_path = paged_attention(
+        q, k_last, v_last, cache.clone(), meta, TorchOps(), scale, window or None
+    )
+    native_path = paged_attention(
+        q, k_last, v_last, cache.clone(), meta, NativeOps(kernels), scale, window or None
+    )
     assert (torch_path.double() - exact).abs().max() < tol
     assert (native_path.double() - exact).abs().max() < tol
 

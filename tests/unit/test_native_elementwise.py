@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models.layers import apply_rotary
 from worker.native import load_native_kernels
+from worker.ops import TorchOps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,14 +27,14 @@ def test_write_kv_equals_index_copy(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_equals_apply_rotary(dtype: torch.dtype) -> None:
+def test_rotary_in_place_equals_the_torch_rotary(dtype: torch.dtype) -> None:
     kernels = load_native_kernels()
     n, dim = 7, 64
     qkv = (torch.randn(n, 4 + 2 * 2, dim) * 4).to(dtype)
     angles = torch.arange(n).float()[:, None] * torch.rand(dim // 2)[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    expected = apply_rotary(qkv[:, :6], cos, sin)
+    expected = TorchOps().rotary(qkv[:, :6], cos, sin)
     untouched = qkv[:, 6:].clone()
     kernels.rotary_(qkv, cos, sin, 6)
     assert torch.equal(qkv[:, :6], expected)
@@ -53,3 +53,23 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     else:
         step = 2.0**-7 * expected.float().abs().clamp_min(1e-3)  # one bfloat16 step
         assert ((ours.float() - expected.float()).abs() <= step).all()
+
+
+def test_every_kernel_refuses_tensors_off_the_cpu() -> None:
+    kernels = load_native_kernels()
+    meta = torch.empty(4, 2, 8, device="meta")
+    calls = {
+        "write_kv": lambda: kernels.write_kv(
+            torch.empty(2, 8, 2, 8, device="meta"), torch.zeros(4, dtype=torch.long), meta, meta
+        ),
+        "rotary": lambda: kernels.rotary_(meta, torch.ones(4, 8), torch.ones(4, 8), 2),
+        "silu_mul": lambda: kernels.silu_mul(torch.empty(4, 16, device="meta")),
+        "rms_norm": lambda: kernels.rms_norm(meta, torch.ones(8), 1e-6, False),
+        "decode_attention": lambda: kernels.decode_attention(
+            meta, torch.zeros(2, 16, 2, 8), torch.zeros(4, 1, dtype=torch.long),
+            torch.ones(4, dtype=torch.long), 1.0, 0, 16,
+        ),
+    }  # fmt: skip
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name} takes CPU tensors"):
+            call()

@@ -1,15 +1,15 @@
 """The native RMSNorm kernel against transformers' own formulas: bit-equal in bfloat16
 (it rounds where they round), within float rounding in float32; llama and gemma styles,
-with and without the fused residual add, and the module swap in a loaded model."""
+with and without the fused residual add, and the norm layer on either ops object."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from worker.models.layers import GemmaRMSNorm, RMSNorm
-from worker.models.native_layers import NativeRMSNorm, use_native_layers
+from worker.models.layers import RMSNorm
 from worker.native import load_native_kernels
+from worker.ops import NativeOps, TorchOps
 
 EPS = 1e-6
 
@@ -50,15 +50,19 @@ def test_matches_transformers(dtype: torch.dtype, gemma: bool, shape: tuple[int,
         torch.testing.assert_close(fused, ref(x + add, w), rtol=1e-6, atol=1e-6)
 
 
-def test_use_native_layers_swaps_every_norm() -> None:
-    kernels = load_native_kernels()
-    inner = torch.nn.Sequential(GemmaRMSNorm(8, EPS))
-    model = torch.nn.Sequential(RMSNorm(8, EPS), inner)
-    x = torch.randn(3, 8)
-    before = model(x)
-    assert use_native_layers(model, kernels) == 2
-    assert isinstance(model[0], NativeRMSNorm) and isinstance(inner[0], NativeRMSNorm)
-    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("gemma", [False, True])
+def test_norm_layer_computes_through_its_ops(gemma: bool) -> None:
+    x, add = torch.randn(3, 8), torch.randn(3, 8)
+    on_torch = RMSNorm(8, EPS, TorchOps(), gemma)
+    on_native = RMSNorm(8, EPS, NativeOps(load_native_kernels()), gemma)
+    with torch.no_grad():
+        on_torch.weight.uniform_(-1, 1)
+        on_native.weight.copy_(on_torch.weight)
+    torch.testing.assert_close(on_native(x), on_torch(x), rtol=1e-6, atol=1e-6)
+    for ours, theirs in zip(
+        on_native.add_and_norm(x, add), on_torch.add_and_norm(x, add), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_refuses_mismatched_weight() -> None:

@@ -71,7 +71,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens,
                             double scale, int64_t window, int64_t block_size) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
+  tandem::check_cpu("decode_attention", q, kv_cache, block_table, context_lens);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [n, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, slots, kv_heads, dim]");
@@ -97,22 +97,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                   "block id out of range");
   }
   auto out = at::empty_like(q);
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode_attention_impl<float>(q, kv_cache, block_table, context_lens, out, scale, window,
-                                   block_size);
-      break;
-    case at::kBFloat16:
-      decode_attention_impl<c10::BFloat16>(q, kv_cache, block_table, context_lens, out, scale,
-                                           window, block_size);
-      break;
-    case at::kHalf:
-      decode_attention_impl<c10::Half>(q, kv_cache, block_table, context_lens, out, scale, window,
-                                       block_size);
-      break;
-    default:
-      TORCH_CHECK(false, "decode_attention supports float32, bfloat16 and float16");
-  }
+  tandem::dispatch_float_types(q.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_impl<decltype(tag)>(q, kv_cache, block_table, context_lens, out, scale,
+                                         window, block_size);
+  });
   return out;
 }
 

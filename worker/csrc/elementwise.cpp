@@ -8,30 +8,13 @@
 
 #include "simd.h"
 
-namespace {
-
-template <typename F>
-void for_each_dtype(at::ScalarType type, const char* name, F&& body) {
-  switch (type) {
-    case at::kFloat:
-      body(float{});
-      break;
-    case at::kBFloat16:
-      body(c10::BFloat16{});
-      break;
-    case at::kHalf:
-      body(c10::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, name, " supports float32, bfloat16 and float16");
-  }
-}
-
-}  // namespace
+using tandem::check_cpu;
+using tandem::dispatch_float_types;
 
 // kv_cache[0, slots[i]] = k[i]; kv_cache[1, slots[i]] = v[i]  (k, v: [n, kv_heads, dim]).
 void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
+  check_cpu("write_kv", kv_cache, slots, k, v);
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "kv_cache must be contiguous [2, slots, kv_heads, dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
@@ -61,6 +44,7 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k
 // In place on the first `heads` heads of x [n, >=heads, dim] (rows contiguous):
 // x = T(x * cos) + T(rotate_half(x) * sin), rotate_half(x) = cat(-x2, x1); cos/sin [n, dim].
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  check_cpu("rotary", x, cos, sin);
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && heads <= x.size(1),
               "x must be [n, heads, dim] with contiguous heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
@@ -68,7 +52,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos and sin must be contiguous [n, dim] in x's dtype");
   const int64_t n = x.size(0), dim = x.size(2), half = dim / 2, stride = x.stride(0);
-  for_each_dtype(x.scalar_type(), "rotary", [&](auto tag) {
+  dispatch_float_types(x.scalar_type(), "rotary", [&](auto tag) {
     using T = decltype(tag);
     T* data = x.data_ptr<T>();
     const T* c = cos.data_ptr<T>();
@@ -114,11 +98,12 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_
 
 // gate_up [n, 2 * d] -> T(T(silu(gate)) * up), [n, d].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu("silu_mul", gate_up);
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [n, 2 * d]");
   const int64_t n = gate_up.size(0), d = gate_up.size(1) / 2;
   auto out = at::empty({n, d}, gate_up.options());
-  for_each_dtype(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
+  dispatch_float_types(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     const T* in = gate_up.data_ptr<T>();
     T* dst = out.data_ptr<T>();

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "simd.h"
+
 namespace {
 
 template <typename T>
@@ -51,7 +53,8 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* add, const at::Tensor&
 }
 
 void check(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  tandem::check_cpu("rms_norm", x, weight);
+  TORCH_CHECK(x.is_contiguous(), "x must be a contiguous CPU tensor");
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "weight must be [hidden] matching x's last dim");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight dtypes differ");
@@ -59,19 +62,9 @@ void check(const at::Tensor& x, const at::Tensor& weight) {
 
 void dispatch(const at::Tensor& x, const at::Tensor* add, const at::Tensor& weight,
               at::Tensor& out, at::Tensor* residual, double eps, bool gemma) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      rms_norm_impl<float>(x, add, weight, out, residual, eps, gemma);
-      break;
-    case at::kBFloat16:
-      rms_norm_impl<c10::BFloat16>(x, add, weight, out, residual, eps, gemma);
-      break;
-    case at::kHalf:
-      rms_norm_impl<c10::Half>(x, add, weight, out, residual, eps, gemma);
-      break;
-    default:
-      TORCH_CHECK(false, "rms_norm supports float32, bfloat16 and float16");
-  }
+  tandem::dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
+    rms_norm_impl<decltype(tag)>(x, add, weight, out, residual, eps, gemma);
+  });
 }
 
 }  // namespace
@@ -86,6 +79,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& add,
                                                 const at::Tensor& weight, double eps, bool gemma) {
   check(x, weight);
+  tandem::check_cpu("add_rms_norm", add);
   TORCH_CHECK(add.is_contiguous() && add.sizes() == x.sizes() &&
                   add.scalar_type() == x.scalar_type(),
               "add must be contiguous and shaped like x");

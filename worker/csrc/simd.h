@@ -13,6 +13,35 @@
 
 namespace tandem {
 
+// Calls body(T{}) with T the element type of `type` (float, c10::BFloat16 or c10::Half):
+// the one dtype switch every kernel uses (vLLM's VLLM_DISPATCH_FLOATING_TYPES, as a
+// template instead of a macro).
+template <typename F>
+void dispatch_float_types(at::ScalarType type, const char* name, F&& body) {
+  switch (type) {
+    case at::kFloat:
+      body(float{});
+      break;
+    case at::kBFloat16:
+      body(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      body(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, name, " supports float32, bfloat16 and float16, not ", type);
+  }
+}
+
+// Every kernel reads raw CPU pointers: tensors elsewhere are refused before they are touched.
+template <typename... Tensors>
+inline void check_cpu(const char* kernel, const Tensors&... tensors) {
+  const auto check = [kernel](const at::Tensor& t) {
+    TORCH_CHECK(t.device().is_cpu(), kernel, " takes CPU tensors, got one on ", t.device());
+  };
+  (check(tensors), ...);
+}
+
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from worker.attention import AttentionMetadata
+from worker.ops import Ops
 
 
 class CausalLM(nn.Module):
     """A decoder-only LM over the flattened tokens of one step.
 
     ``forward`` returns hidden states for every scheduled token; ``compute_logits``
-    is applied only to the rows that are sampled.
+    is applied only to the rows that are sampled. Every layer computes through ``ops``.
     """
+
+    def __init__(self, hf_config: dict[str, Any], ops: Ops) -> None:
+        super().__init__()
 
     @property
     def num_layers(self) -> int:

@@ -12,15 +12,8 @@ from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention
 from worker.models.base import CausalLM
-from worker.models.layers import (
-    GatedMLP,
-    GemmaRMSNorm,
-    RMSNorm,
-    RopeSpec,
-    RotaryEmbedding,
-    apply_rotary,
-    fuse_linears,
-)
+from worker.models.layers import GatedMLP, RMSNorm, RopeSpec, RotaryEmbedding, fuse_linears
+from worker.ops import Ops
 
 
 @dataclass(frozen=True)
@@ -79,34 +72,36 @@ class DecoderArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: DecoderArgs, layer: int) -> None:
+    def __init__(self, args: DecoderArgs, layer: int, ops: Ops) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.scale = a.attn_scale if a.attn_scale is not None else a.head_dim**-0.5
-        self.window = a.layer_windows[layer] if a.layer_windows else None
+        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+        self.window = args.layer_windows[layer] if args.layer_windows else None
+        self.ops = ops
         # Loaded as q/k/v_proj (checkpoint names); fuse() packs them into qkv_proj.
         self.q_proj: nn.Linear | None = nn.Linear(
-            a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias
+            args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias
         )
         self.k_proj: nn.Linear | None = nn.Linear(
-            a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias
+            args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias
         )
         self.v_proj: nn.Linear | None = nn.Linear(
-            a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias
+            args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias
         )
         self.qkv_proj: nn.Linear | None = None
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
-        self.q_norm: nn.Module | None = None
-        self.k_norm: nn.Module | None = None
-        if a.qk_norm:
-            norm = GemmaRMSNorm if a.norm == "gemma" else RMSNorm
-            self.q_norm = norm(a.head_dim, a.rms_norm_eps)
-            self.k_norm = norm(a.head_dim, a.rms_norm_eps)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if args.qk_norm:
+            gemma = args.norm == "gemma"
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops, gemma)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops, gemma)
 
     def fuse(self) -> None:
-        assert (
-            self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-        )  # once
+        """Once, after loading: q, k and v in one matmul."""
+        if self.q_proj is None or self.k_proj is None or self.v_proj is None:
+            raise RuntimeError("Attention.fuse() runs once, after loading")
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         self.q_proj = self.k_proj = self.v_proj = None
 
@@ -118,40 +113,36 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.qkv_proj is None:
+            raise RuntimeError("Attention runs after fuse()")
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
-        else:
-            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1).view(
-                n, -1, self.head_dim
-            )
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
             qk = qkv[:, : heads + kv_heads]  # q and k in one go
-        if meta.kernels is not None:
-            meta.kernels.rotary_(qk, cos, sin, heads + kv_heads)  # in place
-        else:
-            qk = apply_rotary(qk, cos, sin)
-        q, k = qk.split([heads, kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        q, k = self.ops.rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
+        out = paged_attention(q, k, v, kv_cache, meta, self.ops, self.scale, self.window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: DecoderArgs, layer: int) -> None:
+    def __init__(self, args: DecoderArgs, layer: int, ops: Ops) -> None:
         super().__init__()
-        norm = GemmaRMSNorm if a.norm == "gemma" else RMSNorm
-        self.self_attn = Attention(a, layer)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.activation)
-        self.input_layernorm = norm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = norm(a.hidden_size, a.rms_norm_eps)
-        self.sandwich = a.sandwich_norms
-        if a.sandwich_norms:
-            self.pre_feedforward_layernorm = norm(a.hidden_size, a.rms_norm_eps)
-            self.post_feedforward_layernorm = norm(a.hidden_size, a.rms_norm_eps)
+        gemma = args.norm == "gemma"
+
+        def norm() -> RMSNorm:
+            return RMSNorm(args.hidden_size, args.rms_norm_eps, ops, gemma)
+
+        self.self_attn = Attention(args, layer, ops)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.activation, ops)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = args.sandwich_norms
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -170,11 +161,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, a: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, ops: Ops) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
-        self.norm = (GemmaRMSNorm if a.norm == "gemma" else RMSNorm)(a.hidden_size, a.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ops) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, args.norm == "gemma")
 
 
 class DecoderLM(CausalLM):
@@ -186,14 +177,14 @@ class DecoderLM(CausalLM):
         """Each family overrides this to read its config.json."""
         return DecoderArgs(**DecoderArgs.common(cfg))
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
-        super().__init__()
-        self.args = a = self.parse_config(hf_config)
-        self.model = DecoderModel(a)
+    def __init__(self, hf_config: dict[str, Any], ops: Ops) -> None:
+        super().__init__(hf_config, ops)
+        self.args = args = self.parse_config(hf_config)
+        self.model = DecoderModel(args, ops)
         self.rotary = nn.ModuleDict(
-            {name: RotaryEmbedding(a.head_dim, spec) for name, spec in a.ropes.items()}
+            {name: RotaryEmbedding(args.head_dim, spec) for name, spec in args.ropes.items()}
         )
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
     def num_layers(self) -> int:

@@ -9,44 +9,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.native import NativeKernels
+from worker.ops import ACTIVATIONS, Ops
 
 
 class RMSNorm(nn.Module):
-    """Llama-style: normalize in float32, cast back, then scale by ``weight``."""
+    """Llama style: normalize in float32, cast back, then scale by ``weight``; Gemma
+    style (``gemma=True``): scale by ``1 + weight`` in float32, then cast back."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: Ops, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if gemma else torch.ones(hidden_size))
         self.eps = eps
+        self.gemma = gemma
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = nn.functional.rms_norm(
-            x.float(), (x.shape[-1],), None, self.eps
-        )  # one fused kernel
-        return self.weight * normed.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.gemma)
 
     def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + add, norm(x + add))``: a residual add and the norm after it."""
-        x = x + add
-        return x, self(x)
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma-style: scale by ``1 + weight`` in float32, then cast back."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
-
-    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + add
-        return x, self(x)
+        return self.ops.add_rms_norm(x, add, self.weight, self.eps, self.gemma)
 
 
 @dataclass(frozen=True)
@@ -122,20 +104,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: [tokens, heads, head_dim]; ``cos``/``sin``: [tokens, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-_ACTIVATIONS = {
-    "silu": nn.functional.silu,
-    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
-}
-
-
 def fuse_linears(layers: list[nn.Linear]) -> nn.Linear:
     """One Linear computing ``layers`` side by side (outputs concatenated): fewer,
     larger matmuls per step."""
@@ -155,34 +123,26 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (tanh gelu). Loaded as
     ``gate_proj``/``up_proj``; ``fuse()`` then packs them into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, ops: Ops) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            supported = ", ".join(_ACTIVATIONS)
+        if activation not in ACTIVATIONS:
+            supported = ", ".join(ACTIVATIONS)
             raise ValueError(f"activation {activation!r} is not supported ({supported} are)")
-        self.act = _ACTIVATIONS[activation]
         self.activation = activation
-        self.intermediate_size = intermediate_size
-        # Set by use_native_layers (CPU, silu): silu(gate) * up in one native pass.
-        self.native: NativeKernels | None = None
+        self.ops = ops
         self.gate_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def fuse(self) -> None:
-        assert (
-            self.gate_proj is not None and self.up_proj is not None
-        )  # fuse() runs once, after loading
+        """Once, after loading: gate and up in one matmul."""
+        if self.gate_proj is None or self.up_proj is None:
+            raise RuntimeError("GatedMLP.fuse() runs once, after loading")
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None and self.native is not None:
-            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            assert self.gate_proj is not None and self.up_proj is not None
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        if self.gate_up_proj is None:
+            raise RuntimeError("GatedMLP runs after fuse()")
+        return self.down_proj(self.ops.act_mul(self.gate_up_proj(x), self.activation))

@@ -12,10 +12,9 @@ import torch
 from safetensors import safe_open
 
 from worker.models.base import CausalLM
-from worker.models.native_layers import use_native_layers
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.models.registry import model_class_for
-from worker.native import NativeKernels
+from worker.ops import Ops, TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +41,16 @@ def load_model(
     model_dir: Path,
     dtype: torch.dtype,
     device: torch.device,
-    kernels: NativeKernels | None = None,
+    ops: Ops | None = None,
 ) -> CausalLM:
-    """Build the model named by ``architectures`` and fill every parameter from disk;
-    with ``kernels`` (CPU), its norms and SwiGLU run on native kernels.
+    """Build the model named by ``architectures`` on ``ops`` (default: PyTorch ops) and
+    fill every parameter from disk.
 
     Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
     """
     config = read_hf_config(model_dir)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
-        model = model_class_for(config)(config)
+        model = model_class_for(config)(config, ops or TorchOps())
     model = model.to_empty(device=device).to(dtype)
     expected = dict(model.named_parameters())
     tied = model.tied_weights
@@ -85,6 +84,4 @@ def load_model(
     model.fuse()
     if can_pack(dtype, device):
         logger.info("prepacked %d linear layers for oneDNN (bfloat16)", pack_linears(model))
-    if kernels is not None and device.type == "cpu":
-        logger.info("%d norm and MLP modules on native kernels", use_native_layers(model, kernels))
     return model.eval()

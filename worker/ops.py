@@ -1,0 +1,182 @@
+"""The ops a model step is made of, behind one object chosen once per worker.
+
+``TorchOps`` runs everything as PyTorch ops (any device); ``NativeOps`` runs Tandem's C++
+CPU kernels (``worker/csrc``, built by ``worker/native.py``) for decode attention, KV
+writes, RoPE, RMSNorm (with the residual add before it) and SwiGLU, falling back to the
+PyTorch code where it has no kernel (e.g. GeGLU). ``pick_ops`` chooses by
+``--attention-backend`` and device; the model is constructed with the result and every
+layer calls it, so the choice lives in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from common.config import AttentionBackend
+from worker.attention import AttentionMetadata, decode_attention_torch
+from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class Ops(Protocol):
+    name: str
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """``kv_cache[0, slots] = k; kv_cache[1, slots] = v``."""
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One query per decode (``[n, heads, dim]``) over its cached context."""
+        ...
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE over every head of ``qk`` ``[n, heads, dim]`` (may work in place)."""
+        ...
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> torch.Tensor:
+        """Llama style ``w * T(x * r)`` or Gemma style ``T(x * r * (1 + w))``."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + add, rms_norm(x + add))``: a residual add and the norm after it."""
+        ...
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` of a fused ``[n, 2 * d]`` gate/up projection."""
+        ...
+
+
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+class TorchOps:
+    """PyTorch ops only, written to round where transformers' eager code rounds."""
+
+    name = "torch"
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        kv_cache[0].index_copy_(0, slots, k)
+        kv_cache[1].index_copy_(0, slots, v)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        return decode_attention_torch(q, kv_cache, meta, scale, window)
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = qk.shape[-1] // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        return qk * cos[:, None, :] + rotated * sin[:, None, :]
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> torch.Tensor:
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps)  # one fused kernel
+        if gemma:
+            return (normed * (1.0 + weight.float())).type_as(x)
+        return weight * normed.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + add
+        return total, self.rms_norm(total, weight, eps, gemma)
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return ACTIVATIONS[activation](gate) * up
+
+
+class NativeOps(TorchOps):
+    """Tandem's C++ CPU kernels, each rounding as the PyTorch code it replaces."""
+
+    name = "native"
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.kernels = kernels
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        self.kernels.write_kv(kv_cache, slots, k, v)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+        return self.kernels.decode_attention(
+            q.contiguous(),
+            kv_cache,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            scale,
+            window or 0,
+            meta.block_size,
+        )
+
+    def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.kernels.rotary_(qk, cos, sin, qk.shape[1])
+        return qk
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> torch.Tensor:
+        return self.kernels.rms_norm(x.contiguous(), weight, eps, gemma)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(x.contiguous(), add.contiguous(), weight, eps, gemma)
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        if activation != "silu":  # the one activation with a kernel; GeGLU stays PyTorch
+            return super().act_mul(gate_up, activation)
+        return self.kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
+            *gate_up.shape[:-1], gate_up.shape[-1] // 2
+        )
+
+
+def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:
+    """Native kernels when ``backend`` asks for them on CPU and they build (``auto``
+    falls back to PyTorch ops with a warning; ``native`` fails loudly instead)."""
+    if backend == "torch" or device.type != "cpu":
+        logger.info("PyTorch ops only (no native kernels) on %s", device)
+        return TorchOps()
+    kernels = load_native_kernels() if backend == "native" else try_load_native_kernels()
+    if kernels is None:
+        return TorchOps()
+    logger.info("native CPU kernels: decode attention, KV writes, RoPE, RMSNorm, SwiGLU")
+    return NativeOps(kernels)
