@@ -57,6 +57,23 @@ class ErrorKind(enum.IntEnum):
     INTERNAL = 3  # the engine or a worker failed (500/503)
 
 
+class StructuredOutputKind(enum.IntEnum):
+    """What constrains a request's output (``StructuredOutput.spec`` says how)."""
+
+    JSON_SCHEMA = 0  # spec: a JSON schema, as JSON text
+    JSON_OBJECT = 1  # any JSON object; spec unused
+    REGEX = 2  # spec: a regular expression the whole output matches
+    CHOICE = 3  # spec: a JSON list of strings, the output is one of them
+    GRAMMAR = 4  # spec: an EBNF (GBNF) grammar whose root rule the output matches
+
+
+class StructuredOutput(_Wire):
+    """A constraint on the output, compiled into a token mask by the worker's sampler."""
+
+    kind: StructuredOutputKind
+    spec: str = ""
+
+
 class SamplingParams(_Wire):
     """How to pick tokens for one request. ``temperature == 0`` means greedy."""
 
@@ -73,6 +90,9 @@ class SamplingParams(_Wire):
     frequency_penalty: float = 0.0  # over output tokens
     logprobs: int | None = None  # top-k logprobs per sampled token; 0 = only its own
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    structured: StructuredOutput | None = None  # JSON schema, regex, choice or grammar
 
     @property
     def greedy(self) -> bool:

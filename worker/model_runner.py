@@ -29,6 +29,7 @@ from worker.attention import build_metadata
 from worker.models.loader import load_model, read_hf_config
 from worker.ops import pick_ops
 from worker.sampler import SamplingBatch, sample
+from worker.structured import GrammarMatcher, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
 
 
 def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
@@ -90,6 +92,9 @@ class ModelRunner:
             for _ in range(self.model.num_layers)
         ]
         self.requests: dict[str, RequestState] = {}
+        self.structured = StructuredOutputs(
+            model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%s)", self.num_kv_blocks, self.block_size, dtype
         )
@@ -170,25 +175,36 @@ class ModelRunner:
             num_prompt_tokens=[s.num_prompt_tokens for s in states],
             vocab_size=logits.shape[-1],
             eos_token_ids=self.model_info.eos_token_ids,
+            token_bitmask=self.structured.bitmask([s.grammar for s in states]),
         )
-        result = sample(logits, batch)
+        result = sample(logits, batch, self.ops)
         for state, token in zip(states, result.token_ids, strict=True):
             state.token_ids.append(token)
+            if state.grammar is not None:
+                state.grammar.advance(token)
         return ModelRunnerOutput(step.step_id, sample_ids, result.token_ids, result.logprobs)
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in step.new_requests:
-            seed = new.sampling_params.seed
-            generator = None if seed is None else torch.Generator(device=self.device)
+            params = new.sampling_params
+            generator = None if params.seed is None else torch.Generator(device=self.device)
+            num_prompt = new.num_prompt_tokens or len(new.token_ids)
+            grammar = None
+            if params.structured is not None:
+                # After a preemption the tokens generated so far are replayed.
+                grammar = self.structured.matcher(
+                    params.structured, new.request_id, new.token_ids[num_prompt:]
+                )
             self.requests[new.request_id] = RequestState(
                 token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids),
-                sampling_params=new.sampling_params,
+                num_prompt_tokens=num_prompt,
+                sampling_params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                grammar=grammar,
             )
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]

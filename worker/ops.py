@@ -19,6 +19,7 @@ from torch import nn
 from common.config import AttentionBackend
 from worker.attention import AttentionMetadata, decode_attention_torch
 from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
+from worker.structured import apply_bitmask_torch
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class Ops(Protocol):
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(gate) * up`` of a fused ``[n, 2 * d]`` gate/up projection."""
         ...
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Structured outputs: float32 ``logits`` to -inf where the bitmask forbids, in place."""
 
 
 ACTIVATIONS = {
@@ -113,6 +117,9 @@ class TorchOps:
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return ACTIVATIONS[activation](gate) * up
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        apply_bitmask_torch(logits, bitmask)
 
 
 class NativeOps(TorchOps):
@@ -167,6 +174,9 @@ class NativeOps(TorchOps):
         return self.kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
             *gate_up.shape[:-1], gate_up.shape[-1] // 2
         )
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        self.kernels.apply_token_bitmask_(logits, bitmask)
 
 
 def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:

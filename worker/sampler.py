@@ -1,7 +1,9 @@
 """Vectorized sampling over the batch.
 
 Order, as in vLLM: log-probabilities of the raw logits (what ``logprobs`` reports) ->
-repetition / presence / frequency penalties -> greedy rows take the argmax -> temperature
+token filters (``min_tokens`` bans, ``allowed_token_ids``, the structured-output
+bitmask) and ``logit_bias`` -> repetition / presence / frequency penalties -> greedy
+rows take the argmax -> temperature
 -> min-p, top-k, top-p masks -> a random draw. Draws use the exponential-race trick
 (``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw from ``p``), so a seeded request draws
 its noise from its own generator and its samples do not depend on the rest of the batch.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.messages import SamplingParams, TokenLogprobs
+from worker.ops import Ops, TorchOps
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class SamplingBatch:
     num_logprobs: tuple[int | None, ...]  # per row: top-k logprobs wanted (None = none)
     all_greedy: bool
     banned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, token ids) not to sample now
+    allowed: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, the only ids it may sample)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    token_bitmask: torch.Tensor | None = None  # structured outputs: [n, vocab / 32] int32
 
     @staticmethod
     def build(
@@ -44,6 +50,7 @@ class SamplingBatch:
         num_prompt_tokens: list[int] | None = None,
         vocab_size: int = 0,
         eos_token_ids: Sequence[int] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """``token_ids`` / ``num_prompt_tokens`` (each row's tokens so far and how many are
         prompt) are needed when some row uses a penalty or ``min_tokens``."""
@@ -65,8 +72,30 @@ class SamplingBatch:
                     raise ValueError("min_tokens needs each row's token ids and prompt length")
                 if len(token_ids[row]) - num_prompt_tokens[row] < p.min_tokens:
                     banned.append((row, tuple({*eos_token_ids, *p.stop_token_ids})))
+        allowed = tuple(
+            (row, tuple(p.allowed_token_ids))
+            for row, p in enumerate(params)
+            if p.allowed_token_ids is not None
+        )
+        bias_entries = [
+            (row, token, value)
+            for row, p in enumerate(params)
+            for token, value in (p.logit_bias or {}).items()
+            if 0 <= token < vocab_size or vocab_size <= 0
+        ]
+        bias = None
+        if bias_entries:
+            rows, ids, values = zip(*bias_entries, strict=True)
+            bias = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(ids, dtype=torch.long, device=device),
+                column(list(values)),
+            )
         return SamplingBatch(
             banned=tuple(banned),
+            allowed=allowed,
+            bias=bias,
+            token_bitmask=token_bitmask,
             temperature=column([p.temperature for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=column([p.top_p for p in params]),
@@ -110,14 +139,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # empty when no row asked
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """``logits``: [n, vocab] -> one token per row (and logprobs where asked)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -> SamplerOutput:
+    """``logits``: [n, vocab] -> one token per row (and logprobs where asked). ``ops``
+    applies the structured-output bitmask (the worker's ops; PyTorch's by default)."""
     logits = logits.float()
     raw = logits
-    if batch.banned:
-        logits = logits.clone()
-        for row, ids in batch.banned:
-            logits[row, list(ids)] = float("-inf")
+    if batch.banned or batch.allowed or batch.bias is not None or batch.token_bitmask is not None:
+        logits = _filter(logits.clone(), batch, ops or TorchOps())
     if batch.output_counts is not None:
         logits = _apply_penalties(logits, batch)
     tokens = logits.max(dim=-1).indices  # first maximum, like argmax; much faster on CPU
@@ -133,6 +161,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = torch.where(greedy, tokens, (probs / noise).max(dim=-1).indices)
     token_list: list[int] = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
+    """Token bans, allow-lists, the structured-output bitmask and logit biases, in place."""
+    for row, ids in batch.banned:
+        logits[row, list(ids)] = float("-inf")
+    for row, allowed in batch.allowed:
+        keep = logits[row, list(allowed)].clone()
+        logits[row] = float("-inf")
+        logits[row, list(allowed)] = keep
+    if batch.token_bitmask is not None:
+        ops.apply_token_bitmask(logits, batch.token_bitmask)
+    if batch.bias is not None:
+        rows, token_ids, values = batch.bias
+        logits.index_put_((rows, token_ids), values, accumulate=True)
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -28,7 +28,8 @@ def test_engine_request_encoding_is_pinned() -> None:
         "r1",
         b"c",
         [1, 2],
-        [3, 0.5, 1.0, 0, None, [], False, 0.0, 1.0, 0.0, 0.0, None, 0],
+        # ... min_tokens, then logit_bias, allowed_token_ids, structured (appended)
+        [3, 0.5, 1.0, 0, None, [], False, 0.0, 1.0, 0.0, 0.0, None, 0, None, None, None],
         2.0,
         1,
         None,  # cache_salt, appended after priority

@@ -73,3 +73,21 @@ def test_every_kernel_refuses_tensors_off_the_cpu() -> None:
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=f"{name} takes CPU tensors"):
             call()
+
+
+@pytest.mark.parametrize("vocab", [70, 96, 100])
+def test_token_bitmask_kernel_equals_the_torch_path(vocab: int) -> None:
+    kernels = load_native_kernels()
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, 3), dtype=torch.int32, generator=gen)
+    mask[1] = -1  # an unconstrained row
+    ours, theirs = logits.clone(), logits.clone()
+    kernels.apply_token_bitmask_(ours, mask)
+    TorchOps().apply_token_bitmask(theirs, mask)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1, :96], logits[1, :96])
+    if vocab > 96:  # past the mask's 96 bits: never allowed
+        assert bool((ours[:, 96:] == float("-inf")).all())
+    bit = (mask[0, 0] >> 3) & 1
+    assert (ours[0, 3] == logits[0, 3]) == bool(bit)

@@ -167,3 +167,35 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
 
     assert pick(0) == 3 and pick(2) == 3  # neither EOS nor the stop token before 3 outputs
     assert pick(3) == 2
+
+
+def test_logit_bias_moves_the_distribution_as_added_logits() -> None:
+    logits = PROBS.log()
+    biased = draw(logits, n=5000, logit_bias={3: math.log(10.0)})  # type: ignore[arg-type]
+    expected = PROBS * torch.tensor([1.0, 1.0, 1.0, 10.0])
+    assert tv(biased, expected / expected.sum()) < 0.03
+    banned = draw(logits, n=2000, logit_bias={0: -100.0})  # type: ignore[arg-type]
+    assert banned[0] == 0.0
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled() -> None:
+    dist = draw(PROBS.log(), n=5000, allowed_token_ids=[1, 3])  # type: ignore[arg-type]
+    assert dist[0] == 0.0 and dist[2] == 0.0
+    assert tv(dist, torch.tensor([0.0, 0.3, 0.0, 0.05]) / 0.35) < 0.03
+    greedy = SamplingBatch.build(
+        [SamplingParams(temperature=0.0, allowed_token_ids=[2])], [None], torch.device("cpu")
+    )
+    assert sample(PROBS.log()[None], greedy).token_ids == [2]
+
+
+def test_token_bitmask_masks_only_its_rows() -> None:
+    logits = torch.zeros(2, 70)
+    logits[:, 5] = 10.0  # the favourite, disallowed on row 0
+    mask = torch.full((2, 3), -1, dtype=torch.int32)
+    mask[0] = 0
+    mask[0, 1] = 1 << (40 - 32)  # row 0 may only sample token 40
+    batch = SamplingBatch.build(
+        [SamplingParams(temperature=0.0)] * 2, [None] * 2, torch.device("cpu"), token_bitmask=mask
+    )
+    out = sample(logits, batch)
+    assert out.token_ids == [40, 5]

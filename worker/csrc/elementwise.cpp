@@ -3,8 +3,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "simd.h"
 
@@ -132,4 +135,38 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     });
   });
   return out;
+}
+
+// Structured outputs: logits[r, t] = -inf where bit t of mask row r is clear (or t is past
+// the mask). logits: float32 [rows, vocab] contiguous; mask: int32 [rows, words].
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask) {
+  check_cpu("apply_token_bitmask", logits, mask);
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits must be contiguous float32 [rows, vocab]");
+  TORCH_CHECK(mask.dim() == 2 && mask.is_contiguous() && mask.scalar_type() == at::kInt &&
+                  mask.size(0) == logits.size(0),
+              "mask must be contiguous int32 [rows, words]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = mask.size(1);
+  const int64_t covered = std::min<int64_t>(vocab, words * 32);
+  float* data = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + r * vocab;
+      const uint32_t* row_bits = bits + r * words;
+      for (int64_t w = 0; w * 32 < covered; ++w) {
+        const uint32_t word = row_bits[w];
+        if (word == 0xFFFFFFFFu) continue;  // all allowed
+        const int64_t first = w * 32, last = std::min<int64_t>(first + 32, covered);
+        if (word == 0) {  // none allowed: the common case under a grammar
+          std::fill(row + first, row + last, ninf);
+          continue;
+        }
+        for (int64_t t = first; t < last; ++t)
+          if (!((word >> (t - first)) & 1u)) row[t] = ninf;
+      }
+      for (int64_t t = covered; t < vocab; ++t) row[t] = ninf;
+    }
+  });
 }

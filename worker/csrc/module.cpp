@@ -13,6 +13,7 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k
               const at::Tensor& v);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention");
@@ -21,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding in place on the first heads");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (sum, normed)");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "structured outputs: -inf where a token's mask bit is clear, in place");
 }
