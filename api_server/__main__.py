@@ -18,6 +18,7 @@ from api_server.app import create_app
 from api_server.client import EngineClient
 from api_server.generation import CompletionService
 from api_server.rate_limit import RateLimiter
+from api_server.sampling_defaults import load_sampling_defaults
 from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.logs import setup_logging
@@ -40,7 +41,10 @@ class _Server(uvicorn.Server):
 async def serve(config: TandemConfig) -> int:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(config.model.model)))
+    model_dir = resolve_model_dir(config.model.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    defaults = load_sampling_defaults(model_dir, config.model.generation_config)
+    logger.info("sampling defaults for fields a request omits: %s", defaults.describe())
     exit_code = 0
     server: _Server | None = None
 
@@ -62,7 +66,12 @@ async def serve(config: TandemConfig) -> int:
             chat_template = f.read()
     limiter = RateLimiter(config.server.rate_limit_rpm, config.server.rate_limit_tpm)
     service = CompletionService(
-        config.served_model_name, tokenizer, client, limiter, config.server.log_requests
+        config.served_model_name,
+        tokenizer,
+        client,
+        limiter,
+        config.server.log_requests,
+        sampling_defaults=defaults,
     )
     app = create_app(
         service,
@@ -70,6 +79,7 @@ async def serve(config: TandemConfig) -> int:
         config.server.api_keys,
         config.server.max_body_bytes,
         config.server.max_n,
+        config.server.strict_request_fields,
     )
     server = _Server(
         uvicorn.Config(

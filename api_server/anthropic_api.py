@@ -1,41 +1,42 @@
-"""``POST /v1/messages``: Anthropic's Messages API over the shared generation pipeline,
-with Anthropic's bodies, stream events and error format."""
+"""``POST /v1/messages``, Anthropic's Messages format: its request schema (turned into
+an OpenAI chat request for the shared template and pipeline), its bodies, stream events
+and error format. The ``GenerationDriver`` runs it.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from api_server.chat import ChatRoute
-from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece, collect
-from api_server.http_util import caller_of, chain, first_piece, json_body
+from api_server.chat import ChatTemplate
+from api_server.driver import Choice, Generation, Parsed, Prompt
+from api_server.errors import ANTHROPIC_ERRORS, ApiError, ErrorFormat
+from api_server.generation import Piece
+from api_server.http_util import validate
 from api_server.protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
-    anthropic_error_body,
-    validation_error_param,
+    GenerationRequest,
+    JsonSchemaFormat,
+    ResponseFormat,
+    unknown_fields,
 )
-
-logger = logging.getLogger(__name__)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+from common.messages import ModelInfo
 
 
-class TextBlock(_Strict):
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class TextBlock(_Body):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(_Body):
     role: Literal["user", "assistant", "system"]
     content: str | list[TextBlock]
 
@@ -45,21 +46,45 @@ class Message(_Strict):
         )
 
 
-class Metadata(_Strict):
-    user_id: str | None = None
+class OutputFormat(_Body):
+    """Anthropic's structured outputs: ``{"type": "json_schema", "schema": {...}}``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
 
 
-class MessagesRequest(_Strict):
+# Anthropic parameters that change nothing here: accepted, ignored, reported.
+INAPPLICABLE_ANTHROPIC_FIELDS = ("metadata", "service_tier", "container", "context_management")
+
+
+class MessagesRequest(_Body):
     model: str
     max_tokens: int = Field(ge=1)
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
-    metadata: Metadata | None = None
+    output_format: OutputFormat | None = None
+    # Refused when used: Tandem has no tools and no extended thinking.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: Any = None
+    mcp_servers: list[Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        thinking = isinstance(self.thinking, dict) and self.thinking.get("type") == "enabled"
+        refused = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice is not None,
+            "thinking": thinking,
+            "mcp_servers": bool(self.mcp_servers),
+        }
+        for name, used in refused.items():
+            if used:
+                raise ApiError(400, f"'{name}' is not supported", param=name)
 
     def as_chat(self) -> ChatCompletionRequest:
         """The same request in OpenAI chat terms, for the shared template and pipeline."""
@@ -72,6 +97,12 @@ class MessagesRequest(_Strict):
             )
             messages.append(ChatMessage(role="system", content=system))
         messages += [ChatMessage(role=m.role, content=m.text()) for m in self.messages]
+        response_format = None
+        if self.output_format is not None:
+            response_format = ResponseFormat(
+                type="json_schema",
+                json_schema=JsonSchemaFormat(schema=self.output_format.schema_),
+            )
         return ChatCompletionRequest(
             model=self.model,
             messages=messages,
@@ -81,116 +112,93 @@ class MessagesRequest(_Strict):
             top_k=self.top_k,
             stop=self.stop_sequences,
             stream=self.stream,
+            response_format=response_format,
         )
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        anthropic_error_body(status, message),
-        status,
-        headers={"Retry-After": "1"} if status in (429, 503) else None,
-    )
-
-
-def stop_reason(piece: Piece) -> str:
-    if piece.stop_string is not None:
+def stop_reason(piece: Piece | None) -> str:
+    if piece is not None and piece.stop_string is not None:
         return "stop_sequence"
-    return "max_tokens" if piece.finish_reason == "length" else "end_turn"
+    return "max_tokens" if piece is not None and piece.finish_reason == "length" else "end_turn"
 
 
 def event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-class MessagesRoute:
-    def __init__(self, service: CompletionService, chat: ChatRoute) -> None:
-        self.service = service
-        self.chat = chat
+class MessagesFormat:
+    name = "messages"
+    id_prefix = "msg_"
+    errors: ErrorFormat = ANTHROPIC_ERRORS
 
-    async def handle(self, request: Request) -> Response:
-        try:
-            return await self._handle(request)
-        except ApiError as e:
-            return error_response(e.status, e.message)
+    def __init__(self, template: ChatTemplate) -> None:
+        self.template = template
 
-    async def _handle(self, request: Request) -> Response:
-        service = self.service
-        try:
-            req = MessagesRequest.model_validate(await json_body(request))
-        except ValidationError as e:
-            raise ApiError(400, validation_error_param(e)[0]) from None
-        if req.model != service.served_model_name:
-            raise ApiError(
-                404,
-                f"model '{req.model}' does not exist; this server serves '{service.served_model_name}'",
-            )
-        info = service.model_info()
-        chat = req.as_chat()
-        prompt_ids = self.chat.prompt_ids(chat)
-        request_id, pieces = service.start(
-            chat, prompt_ids, info, "messages", caller=caller_of(request)
-        )
-        message_id = "msg_" + request_id.split("-", 1)[1]
-        first = await first_piece(pieces)
-        base = {
-            "id": message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": service.served_model_name,
-        }
-        if req.stream:
-            events = self._stream(first, pieces, base, len(prompt_ids))
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={"X-Request-Id": message_id}
-            )
-        collected = await collect(first, pieces)
-        last = collected[-1]
-        body = {
-            **base,
-            "content": [{"type": "text", "text": "".join(p.text for p in collected)}],
-            "stop_reason": stop_reason(last),
-            "stop_sequence": last.stop_string,
-            "usage": {"input_tokens": len(prompt_ids), "output_tokens": last.num_completion_tokens},
-        }
-        return JSONResponse(body, headers={"X-Request-Id": message_id})
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        req = validate(body, MessagesRequest, status=400)  # Anthropic answers 400
+        req.refuse_unsupported()
+        unknown = unknown_fields(req)
+        ignored = [
+            name
+            for name in INAPPLICABLE_ANTHROPIC_FIELDS
+            if name in (req.model_extra or {}) or name in req.model_fields_set
+        ]
+        return Parsed(req.as_chat(), unknown, list(dict.fromkeys([*ignored, *unknown])))
 
-    async def _stream(
-        self,
-        first: Piece,
-        pieces: AsyncGenerator[Piece, None],
-        base: dict[str, Any],
-        num_prompt: int,
-    ) -> AsyncGenerator[str, None]:
+    def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
+        assert isinstance(request, ChatCompletionRequest)  # parse() made it
+        return [Prompt(self.template.prompt_ids(request))]
+
+    def _message(self, gen: Generation) -> dict[str, Any]:
+        return {"id": gen.request_id, "type": "message", "role": "assistant", "model": gen.model}
+
+    def stream_start(self, gen: Generation) -> list[str]:
         start = {
-            **base,
+            **self._message(gen),
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": num_prompt, "output_tokens": 0},
+            "usage": {"input_tokens": gen.num_prompt_tokens, "output_tokens": 0},
         }
-        yield event("message_start", {"message": start})
-        yield event(
-            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-        )
-        last: Piece | None = None
-        try:
-            async for piece in chain(first, pieces):
-                last = piece
-                if piece.text:
-                    yield event(
-                        "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": piece.text}},
-                    )
-        except EngineRequestError as e:
-            yield event("error", {"error": {"type": "api_error", "message": str(e)}})
-            return
-        finally:
-            await pieces.aclose()
-        assert last is not None  # chain() yields at least the first piece
-        yield event("content_block_stop", {"index": 0})
-        delta = {"stop_reason": stop_reason(last), "stop_sequence": last.stop_string}
-        yield event(
-            "message_delta",
-            {"delta": delta, "usage": {"output_tokens": last.num_completion_tokens}},
-        )
-        yield event("message_stop", {})
+        return [
+            event("message_start", {"message": start}),
+            event(
+                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+            ),
+        ]
+
+    def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
+        if not piece.text:
+            return []
+        delta = {"type": "text_delta", "text": piece.text}
+        return [event("content_block_delta", {"index": 0, "delta": delta})]
+
+    def stream_end(self, gen: Generation) -> list[str]:
+        last = gen.choices[0].last
+        delta = {
+            "stop_reason": stop_reason(last),
+            "stop_sequence": last.stop_string if last else None,
+        }
+        usage = {"output_tokens": gen.choices[0].num_completion_tokens}
+        return [
+            event("content_block_stop", {"index": 0}),
+            event("message_delta", {"delta": delta, "usage": usage}),
+            event("message_stop", {}),
+        ]
+
+    def stream_error(self, gen: Generation, message: str) -> list[str]:
+        return [event("error", {"error": {"type": "api_error", "message": message}})]
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        choice = gen.choices[0]
+        last = choice.last
+        return {
+            **self._message(gen),
+            "content": [{"type": "text", "text": choice.text}],
+            "stop_reason": stop_reason(last),
+            "stop_sequence": last.stop_string if last else None,
+            "usage": {
+                "input_tokens": gen.num_prompt_tokens,
+                "output_tokens": choice.num_completion_tokens,
+            },
+        }

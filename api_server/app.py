@@ -1,9 +1,11 @@
-"""HTTP routes: OpenAI completions (SSE streaming), models, health, stats; chat
-completions live in ``chat.py``, Anthropic messages in ``anthropic_api.py``.
+"""HTTP routes: the three generation routes (one ``GenerationDriver`` each, with the
+format object of its flavour: ``completions.py``, ``chat.py``, ``anthropic_api.py``),
+models, tokenize, health, readiness, stats, metrics, cancel.
 
-A request's path: parse + validate (``protocol.py``) -> tokenize -> ``EngineClient``
-(``client.py``) -> incremental detokenize + stop strings (``detokenizer.py``) -> SSE
-chunks or one JSON body. Errors are OpenAI error bodies.
+A generation's path: parse + validate (``protocol.py``) -> template / tokenize ->
+``EngineClient`` (``client.py``) -> incremental detokenize + stop strings
+(``detokenizer.py``, ``generation.py``) -> SSE chunks or one JSON body (``driver.py``).
+Errors are OpenAI error bodies, Anthropic's on ``/v1/messages``.
 """
 
 from __future__ import annotations
@@ -21,24 +23,18 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from api_server.anthropic_api import MessagesRoute
-from api_server.chat import ChatRoute
-from api_server.completions import CompletionsRoute
-from api_server.generation import (
-    ApiError,
-    CompletionService,
-)
+from api_server.anthropic_api import MessagesFormat
+from api_server.chat import ChatFormat, ChatTemplate
+from api_server.completions import CompletionFormat
+from api_server.driver import ApiFormat, GenerationDriver
+from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body, error_response
+from api_server.generation import CompletionService
 from api_server.guard import BodyTooLarge, Guard, too_large_body
 from api_server.http_util import cancel_on_disconnect
 from api_server.http_util import parse as http_parse
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
-from api_server.protocol import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    error_body,
-    now,
-)
+from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +67,22 @@ def create_app(
     api_keys: tuple[str, ...] = (),
     max_body_bytes: int = 2 * 1024 * 1024,
     max_choices: int = 16,
+    strict_fields: bool = False,
 ) -> Starlette:
-    chat_route = ChatRoute(service, chat_template)
-    completions = CompletionsRoute(service, max_choices)
-    messages = MessagesRoute(service, chat_route)
+    template = ChatTemplate(service, chat_template)
+    generation_routes: dict[str, ApiFormat] = {
+        "/v1/completions": CompletionFormat(service),
+        "/v1/chat/completions": ChatFormat(service, template),
+        "/v1/messages": MessagesFormat(template),
+    }
+    drivers = {
+        path: GenerationDriver(service, fmt, max_choices, strict_fields)
+        for path, fmt in generation_routes.items()
+    }
+    # The error dialect of each path, for the middleware that answers before routing.
+    error_formats: dict[str, ErrorFormat] = {
+        path: fmt.errors for path, fmt in generation_routes.items()
+    }
 
     async def parse(request: Request, schema: type[T]) -> T:
         return await http_parse(request, schema, service.served_model_name)
@@ -109,6 +117,8 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "tandem",
+            # Applied when a request leaves them out (the model's generation_config.json).
+            "sampling_defaults": service.sampling_defaults.model_dump(exclude_none=True),
         }
         if info is not None:
             card["max_model_len"] = info.max_model_len
@@ -197,7 +207,7 @@ def create_app(
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)  # registered for ApiError only
-        return exc.response()
+        return error_response(exc, error_formats.get(request.url.path, OPENAI_ERRORS))
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return JSONResponse(
@@ -216,11 +226,10 @@ def create_app(
         routes=[
             Route("/", chat_page, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
-            Route("/v1/completions", cancel_on_disconnect(completions.handle), methods=["POST"]),
-            Route(
-                "/v1/chat/completions", cancel_on_disconnect(chat_route.handle), methods=["POST"]
+            *(
+                Route(path, cancel_on_disconnect(driver.handle), methods=["POST"])
+                for path, driver in drivers.items()
             ),
-            Route("/v1/messages", cancel_on_disconnect(messages.handle), methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
@@ -246,6 +255,7 @@ def create_app(
                 api_keys=api_keys,
                 max_body_bytes=max_body_bytes,
                 limiter=service.limiter,
+                error_formats=error_formats,
             ),
         ],
     )

@@ -1,24 +1,23 @@
-"""``POST /v1/chat/completions``: the model's chat template over the shared generation
-pipeline, answered as OpenAI ``chat.completion`` bodies or ``chat.completion.chunk``
-SSE events."""
+"""``POST /v1/chat/completions``, OpenAI's ``chat.completion`` format: the model's chat
+template (or ``--chat-template``, or vLLM's per-request ``chat_template``), ``n``
+choices, ``logprobs``/``top_logprobs``, usage chunks.
+
+The ``GenerationDriver`` runs it; this object only says how messages become a prompt
+and how pieces become ``chat.completion(.chunk)`` bodies.
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
 from jinja2 import TemplateError
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece, collect
-from api_server.http_util import caller_of, chain, first_piece, parse, sse
-from api_server.protocol import ChatCompletionRequest, error_body, now, usage
-from common.messages import TokenLogprobs
-
-logger = logging.getLogger(__name__)
+from api_server.driver import Choice, Generation, Parsed, Prompt
+from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
+from api_server.generation import CompletionService, Piece
+from api_server.http_util import sse, validate
+from api_server.protocol import ChatCompletionRequest, GenerationRequest, unknown_fields
+from common.messages import ModelInfo, TokenLogprobs
 
 
 def chat_logprobs(
@@ -44,136 +43,168 @@ def chat_logprobs(
     }
 
 
-class ChatRoute:
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class ChatTemplate:
+    """Messages -> prompt token ids through a Jinja chat template."""
+
     def __init__(self, service: CompletionService, chat_template: str | None) -> None:
         self.service = service
         self.template = chat_template or getattr(service.tokenizer, "chat_template", None)
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        if not self.template:
+        template = req.chat_template or self.template
+        if not template:
             raise ApiError(
                 400,
                 f"model '{self.service.served_model_name}' has no chat template; use /v1/completions, "
                 "or start the server with --chat-template FILE",
                 param="messages",
             )
+        extra = req.chat_template_kwargs or {}
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise ApiError(
+                400,
+                f"'chat_template_kwargs' may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
         try:
             text = self.service.tokenizer.apply_chat_template(
                 req.template_messages(),
-                chat_template=self.template,
-                add_generation_prompt=True,
+                chat_template=template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
                 tokenize=False,
+                **extra,
             )
-        except TemplateError as e:
+        except (TemplateError, ValueError, TypeError) as e:
             raise ApiError(
                 400, f"the chat template rejected these messages: {e}", param="messages"
             ) from None
         # The template already wrote the special tokens (BOS and turn markers).
-        ids: list[int] = self.service.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self.service.tokenizer.encode(
+            text, add_special_tokens=req.add_special_tokens
+        )
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens :]
         return ids
 
-    async def handle(self, request: Request) -> Response:
-        service = self.service
-        req = await parse(request, ChatCompletionRequest, service.served_model_name)
-        info = service.model_info()
-        prompt_ids = self.prompt_ids(req)
-        request_id, pieces = service.start(req, prompt_ids, info, "chat", caller=caller_of(request))
-        first = await first_piece(pieces)
-        headers = {"X-Request-Id": request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._stream(first, pieces, request_id, len(prompt_ids), include_usage)
-            return StreamingResponse(
-                events,
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache"},
+
+class ChatFormat:
+    name = "chat"
+    id_prefix = "chatcmpl-"
+    errors: ErrorFormat = OPENAI_ERRORS
+
+    def __init__(self, service: CompletionService, template: ChatTemplate) -> None:
+        self.service = service
+        self.template = template
+
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        req = validate(body, ChatCompletionRequest)
+        return Parsed(req, unknown_fields(req), req.ignored_fields())
+
+    def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
+        assert isinstance(request, ChatCompletionRequest)  # parse() made it
+        return [Prompt(self.template.prompt_ids(request))]
+
+    def _chunk(self, gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": gen.request_id,
+            "object": "chat.completion.chunk",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+        }
+        options = gen.request.stream_options
+        if options is not None and options.continuous_usage_stats:
+            chunk["usage"] = gen.usage()
+        elif options is not None and options.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream_start(self, gen: Generation) -> list[str]:
+        return [
+            sse(
+                self._chunk(
+                    gen,
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                )
             )
-        collected = await collect(first, pieces)
-        last = collected[-1]
-        ids = [t for p in collected for t in p.token_ids]
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(p.text for p in collected)},
-            "logprobs": chat_logprobs(
-                service.tokenizer, ids, [lp for p in collected for lp in p.logprobs]
-            ),
-            "finish_reason": last.finish_reason,
-        }
-        if req.return_token_ids:
-            choice["token_ids"] = ids
-        logger.info(
-            "[%s] finished (%s) with %d tokens",
-            request_id,
-            last.finish_reason,
-            last.num_completion_tokens,
-        )
-        body = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now(),
-            "model": service.served_model_name,
-            "choices": [choice],
-            "usage": usage(len(prompt_ids), last.num_completion_tokens, last.num_cached_tokens),
-        }
-        return JSONResponse(body, headers=headers)
+            for c in gen.choices
+        ]
 
-    async def _stream(
-        self,
-        first: Piece,
-        pieces: AsyncGenerator[Piece, None],
-        request_id: str,
-        num_prompt: int,
-        include_usage: bool,
-    ) -> AsyncGenerator[str, None]:
-        created, model = now(), self.service.served_model_name
+    def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
+        if not piece.text and not piece.finish_reason:
+            return []
+        choice_body = {
+            "index": choice.index,
+            "delta": {"content": piece.text} if piece.text else {},
+            "logprobs": chat_logprobs(self.service.tokenizer, piece.token_ids, piece.logprobs),
+            "finish_reason": piece.finish_reason,
+        }
+        if gen.request.return_token_ids:
+            choice_body["token_ids"] = piece.token_ids
+        return [sse(self._chunk(gen, [choice_body]))]
 
-        def chunk(
-            delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None
-        ) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                ],
+    def stream_end(self, gen: Generation) -> list[str]:
+        events = []
+        if gen.request.stream_options is not None and gen.request.stream_options.include_usage:
+            usage_chunk = self._chunk(gen, [])
+            usage_chunk["usage"] = gen.usage()
+            events.append(sse(usage_chunk))
+        return [*events, sse("[DONE]")]
+
+    def stream_error(self, gen: Generation, message: str) -> list[str]:
+        return [sse(error_body(message, "server_error")), sse("[DONE]")]
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        choices = []
+        for c in gen.choices:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(
+                    self.service.tokenizer,
+                    c.token_ids,
+                    [lp for p in c.collected for lp in p.logprobs],
+                ),
+                "finish_reason": c.last.finish_reason if c.last else None,
             }
-            if include_usage:
-                body["usage"] = None
-            return body
-
-        yield sse(chunk({"role": "assistant", "content": ""}, None, None))
-        last: Piece | None = None
-        try:
-            async with aclosing(pieces):
-                async for piece in chain(first, pieces):
-                    last = piece
-                    lps = chat_logprobs(self.service.tokenizer, piece.token_ids, piece.logprobs)
-                    delta = {"content": piece.text} if piece.text else {}
-                    if piece.text or piece.finish_reason:
-                        yield sse(chunk(delta, piece.finish_reason, lps))
-        except EngineRequestError as e:
-            logger.error("[%s] failed: %s", request_id, e)
-            yield sse(error_body(str(e), "server_error"))
-            last = None
-        if include_usage and last is not None:
-            final = usage(num_prompt, last.num_completion_tokens, last.num_cached_tokens)
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": final,
-                }
-            )
-        if last is not None:
-            logger.info(
-                "[%s] finished (%s) with %d tokens",
-                request_id,
-                last.finish_reason,
-                last.num_completion_tokens,
-            )
-        yield sse("[DONE]")
+            if gen.request.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        return {
+            "id": gen.request_id,
+            "object": "chat.completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            "usage": gen.usage(),
+        }

@@ -1,213 +1,143 @@
-"""``POST /v1/completions``: one or several prompts, ``n`` choices each, streamed or not.
+"""``POST /v1/completions``, OpenAI's ``text_completion`` format: one or several
+prompts, ``n`` choices each, ``echo``, legacy ``logprobs``.
 
-Each choice is its own engine request (``<id>`` for the first, ``<id>-<k>`` after), so
-the scheduler batches them like any others; streams of several choices are merged as
-their pieces arrive, each chunk naming its choice ``index``.
+The ``GenerationDriver`` runs it; this object only says how prompts are read and how
+pieces become ``text_completion`` chunks and bodies.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import uuid
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-
-from api_server.generation import (
-    ApiError,
-    CompletionService,
-    EngineRequestError,
-    Piece,
-    collect,
-    completion_logprobs,
-)
-from api_server.http_util import caller_of, first_piece, parse, sse
-from api_server.protocol import CompletionRequest, completion_chunk, error_body, now, usage
-
-logger = logging.getLogger(__name__)
+from api_server.driver import Choice, Generation, Parsed, Prompt
+from api_server.errors import OPENAI_ERRORS, ErrorFormat, error_body
+from api_server.generation import CompletionService, Piece
+from api_server.http_util import sse, validate
+from api_server.protocol import CompletionRequest, GenerationRequest, unknown_fields
+from common.messages import ModelInfo, TokenLogprobs
 
 
-@dataclass
-class Choice:
-    index: int
-    prompt_ids: list[int]
-    echo_text: str
-    pieces: AsyncGenerator[Piece, None]
-    first: Piece | None = None
-    text_offset: int = 0
-    collected: list[Piece] = field(default_factory=list)
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for these tokens; ``text_offset``
+    is where the first token's text starts in the whole completion."""
+    if not logprobs:
+        return None
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            {
+                tokenizer.decode([t]): v
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            }
+            for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
 
 
-class CompletionsRoute:
-    def __init__(self, service: CompletionService, max_choices: int) -> None:
+class CompletionFormat:
+    name = "completion"
+    id_prefix = "cmpl-"
+    errors: ErrorFormat = OPENAI_ERRORS
+
+    def __init__(self, service: CompletionService) -> None:
         self.service = service
-        self.max_choices = max_choices
 
-    async def handle(self, request: Request) -> Response:
-        service = self.service
-        req = await parse(request, CompletionRequest, service.served_model_name)
-        prompts = req.prompts()
-        if len(prompts) * req.n > self.max_choices:
-            raise ApiError(
-                422,
-                f"'n' times the number of prompts is {len(prompts) * req.n}; at most "
-                f"{self.max_choices} choices per request",
-                param="n",
-            )
-        if req.echo and req.logprobs is not None:
-            raise ApiError(422, "'echo' together with 'logprobs' is not supported", param="echo")
-        info = service.model_info()
-        ids = [service.tokenize(p, info) for p in prompts]
-        base = f"cmpl-{uuid.uuid4().hex}"
-        choices: list[Choice] = []
-        for i, prompt_ids in enumerate(ids):
-            echo = (
-                (
-                    prompts[i]
-                    if isinstance(prompts[i], str)
-                    else service.tokenizer.decode(prompt_ids)
-                )
-                if req.echo
-                else ""
-            )
-            for j in range(req.n):
-                k = len(choices)
-                _, pieces = service.start(
-                    req,
-                    prompt_ids,
-                    info,
-                    "completion",
-                    base if k == 0 else f"{base}-{k}",
-                    j,
-                    caller_of(request),
-                )
-                choices.append(Choice(k, prompt_ids, str(echo), pieces))
-        try:
-            # A refusal (queue full, engine down) becomes an HTTP status, not a stream error.
-            firsts = await asyncio.gather(*(first_piece(c.pieces) for c in choices))
-        except BaseException:
-            for c in choices:
-                await c.pieces.aclose()
-            raise
-        for c, first in zip(choices, firsts, strict=True):
-            c.first = first
-        headers = {"X-Request-Id": base}
-        num_prompt = sum(len(p) for p in ids)
-        if req.stream:
-            return StreamingResponse(
-                self._stream(choices, base, num_prompt, req.return_token_ids),
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache"},
-            )
-        for c in choices:
-            assert c.first is not None
-            c.collected = await collect(c.first, c.pieces)
-        return JSONResponse(
-            self._body(choices, base, num_prompt, req.return_token_ids), headers=headers
-        )
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        req = validate(body, CompletionRequest)
+        return Parsed(req, unknown_fields(req), req.ignored_fields())
 
-    def _body(
-        self, choices: list[Choice], request_id: str, num_prompt: int, with_ids: bool
+    def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
+        assert isinstance(request, CompletionRequest)  # parse() made it
+        prompts = []
+        for prompt in request.prompts():
+            ids = self.service.tokenize(prompt, info, request.add_special_tokens)
+            if request.truncate_prompt_tokens is not None:
+                ids = ids[-request.truncate_prompt_tokens :]
+            echo = ""
+            if request.echo:
+                echo = prompt if isinstance(prompt, str) else self.service.tokenizer.decode(ids)
+            prompts.append(Prompt(ids, echo))
+        return prompts
+
+    def _chunk(
+        self, gen: Generation, choice: dict[str, Any], usage: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        out = []
-        for c in choices:
-            token_ids = [t for p in c.collected for t in p.token_ids]
-            lps = completion_logprobs(
-                self.service.tokenizer, token_ids, [lp for p in c.collected for lp in p.logprobs], 0
+        chunk: dict[str, Any] = {
+            "id": gen.request_id,
+            "object": "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": [choice],
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def stream_start(self, gen: Generation) -> list[str]:
+        return []
+
+    def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
+        echo = choice.prompt.echo if len(choice.collected) == 1 else ""
+        logprobs = completion_logprobs(
+            self.service.tokenizer, piece.token_ids, piece.logprobs, choice.text_offset
+        )
+        choice.text_offset += len(echo) + len(piece.text)
+        body: dict[str, Any] = {
+            "index": choice.index,
+            "text": echo + piece.text,
+            "logprobs": logprobs,
+            "finish_reason": piece.finish_reason,
+        }
+        if gen.request.return_token_ids:
+            body["token_ids"] = piece.token_ids
+        options = gen.request.stream_options
+        all_done = all(c.last is not None and c.last.finish_reason for c in gen.choices)
+        continuous = options is not None and options.continuous_usage_stats
+        usage = gen.usage() if all_done or continuous else None
+        return [sse(self._chunk(gen, body, usage))]
+
+    def stream_end(self, gen: Generation) -> list[str]:
+        return [sse("[DONE]")]
+
+    def stream_error(self, gen: Generation, message: str) -> list[str]:
+        return [sse(error_body(message, "server_error")), sse("[DONE]")]
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        choices = []
+        for c in gen.choices:
+            logprobs = completion_logprobs(
+                self.service.tokenizer,
+                c.token_ids,
+                [lp for p in c.collected for lp in p.logprobs],
+                0,
             )
             choice: dict[str, Any] = {
                 "index": c.index,
-                "text": c.echo_text + "".join(p.text for p in c.collected),
-                "logprobs": lps,
-                "finish_reason": c.collected[-1].finish_reason,
+                "text": c.prompt.echo + c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.last.finish_reason if c.last else None,
             }
-            if with_ids:
-                choice["token_ids"] = token_ids
-                choice["prompt_token_ids"] = c.prompt_ids
-            out.append(choice)
-        completion_tokens = sum(c.collected[-1].num_completion_tokens for c in choices)
-        cached = sum(c.collected[-1].num_cached_tokens for c in choices)
-        logger.info(
-            "[%s] finished: %s", request_id, ", ".join(str(c["finish_reason"]) for c in out)
-        )
+            if gen.request.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                choice["prompt_token_ids"] = c.prompt.ids
+            choices.append(choice)
         body: dict[str, Any] = {
-            "id": request_id,
+            "id": gen.request_id,
             "object": "text_completion",
-            "created": now(),
-            "model": self.service.served_model_name,
-            "choices": out,
-            "usage": usage(num_prompt, completion_tokens, cached),
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            "usage": gen.usage(),
         }
-        if with_ids and len(choices) == 1:
-            body["prompt_token_ids"] = choices[0].prompt_ids  # vLLM's place for one prompt
+        if gen.request.return_token_ids and len(gen.choices) == 1:
+            body["prompt_token_ids"] = gen.choices[0].prompt.ids  # vLLM's place for one prompt
         return body
-
-    async def _stream(
-        self, choices: list[Choice], request_id: str, num_prompt: int, with_ids: bool
-    ) -> AsyncGenerator[str, None]:
-        created, model = now(), self.service.served_model_name
-        queue: asyncio.Queue[tuple[Choice, Piece | None, EngineRequestError | None]] = (
-            asyncio.Queue()
-        )
-
-        async def pump(c: Choice) -> None:
-            assert c.first is not None
-            try:
-                await queue.put((c, c.first, None))
-                async for piece in c.pieces:
-                    await queue.put((c, piece, None))
-            except EngineRequestError as e:
-                await queue.put((c, None, e))
-
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        done: dict[int, Piece] = {}
-        failed = False
-        try:
-            while len(done) < len(choices) and not failed:
-                c, piece, error = await queue.get()
-                if error is not None or piece is None:
-                    logger.error("[%s] failed: %s", request_id, error)
-                    yield sse(error_body(str(error), "server_error"))
-                    failed = True
-                    break
-                prefix = c.echo_text if c.text_offset == 0 and piece is c.first else ""
-                lps = completion_logprobs(
-                    self.service.tokenizer, piece.token_ids, piece.logprobs, c.text_offset
-                )
-                c.text_offset += len(prefix) + len(piece.text)
-                if piece.finish_reason:
-                    done[c.index] = piece
-                last_usage = None
-                if len(done) == len(choices):
-                    completion_tokens = sum(p.num_completion_tokens for p in done.values())
-                    cached = sum(p.num_cached_tokens for p in done.values())
-                    last_usage = usage(num_prompt, completion_tokens, cached)
-                chunk = completion_chunk(
-                    request_id,
-                    model,
-                    created,
-                    prefix + piece.text,
-                    piece.finish_reason,
-                    last_usage,
-                    piece.token_ids if with_ids else None,
-                    lps,
-                )
-                chunk["choices"][0]["index"] = c.index
-                yield sse(chunk)
-            if not failed:
-                logger.info(
-                    "[%s] finished: %s",
-                    request_id,
-                    ", ".join(str(done[i].finish_reason) for i in sorted(done)),
-                )
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for c in choices:
-                await c.pieces.aclose()
-        yield sse("[DONE]")

@@ -8,22 +8,20 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from starlette.responses import JSONResponse
 
 from api_server.client import EngineClient
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from api_server.errors import ApiError
 from api_server.metrics import Metrics
-from api_server.protocol import ErrorType, GenerationRequest, error_body, finish_reason_text
+from api_server.protocol import GenerationRequest, SamplingDefaults, finish_reason_text
 from api_server.rate_limit import RateLimiter
 from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
 
 logger = logging.getLogger(__name__)
-
-RETRY_AFTER_S = "1"
 
 
 class EngineRequestError(Exception):
@@ -41,29 +39,14 @@ class EngineRequestError(Exception):
         return ApiError(503, str(self), "server_error")
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: ErrorType = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
+@dataclass(frozen=True)
+class TextOptions:
+    """How engine tokens become a request's text: stop strings (and whether the matched
+    one stays in the text, vLLM's ``include_stop_str_in_output``), special tokens."""
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
-        return JSONResponse(
-            error_body(self.message, self.type, self.param, self.code), self.status, headers=headers
-        )
+    stop_strings: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,36 +62,10 @@ class Piece:
     stop_string: str | None = None  # set on the last piece when a stop string ended it
 
 
-def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
-) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object for these tokens; ``text_offset``
-    is where the first token's text starts in the whole completion."""
-    if not logprobs:
-        return None
-    tokens = [tokenizer.decode([t]) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [
-            {
-                tokenizer.decode([t]): v
-                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-            }
-            for lp in logprobs
-        ],
-        "text_offset": offsets,
-    }
-
-
 class CompletionService:
     """Everything the routes share: the tokenizer, the engine client, the model name, the
-    token rate limiter, the metrics. Prompts and outputs reach the log only with
-    ``log_requests``."""
+    model's sampling defaults, the token rate limiter, the metrics. Prompts and outputs
+    reach the log only with ``log_requests``."""
 
     def __init__(
         self,
@@ -118,6 +75,7 @@ class CompletionService:
         limiter: RateLimiter | None = None,
         log_requests: bool = False,
         metrics: Metrics | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -125,6 +83,7 @@ class CompletionService:
         self.metrics = metrics or Metrics(served_model_name, lambda: client.stats)
         self.limiter = limiter or RateLimiter()
         self.log_requests = log_requests
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
 
     def model_info(self) -> ModelInfo:
         if self.client.is_dead:
@@ -133,8 +92,14 @@ class CompletionService:
             raise ApiError(503, "the model is still loading; retry shortly", "server_error")
         return self.client.model
 
-    def tokenize(self, prompt: str | list[int], info: ModelInfo) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def tokenize(
+        self, prompt: str | list[int], info: ModelInfo, add_special_tokens: bool = True
+    ) -> list[int]:
+        ids: list[int] = (
+            self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
@@ -182,15 +147,15 @@ class CompletionService:
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
         ``caller`` is charged the prompt's tokens now and the completion's when it ends."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
+        req.check_token_ids(info.vocab_size)
         if req.min_tokens > max_tokens:
             raise ApiError(
                 422,
                 f"'min_tokens' ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
                 param="min_tokens",
             )
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
-        params = req.sampling_params(max_tokens)
+        request_id = request_id or f"{kind}-{uuid.uuid4().hex}"
+        params = req.sampling_params(max_tokens, self.sampling_defaults)
         if params.seed is not None and choice:
             params = msgspec.structs.replace(params, seed=(params.seed + choice) % 2**63)
         engine_request = EngineRequest(
@@ -218,17 +183,20 @@ class CompletionService:
                 msgspec.json.encode(params).decode(),
             )
         self.limiter.charge(caller, len(prompt_ids))
-        return request_id, self.run(engine_request, req.stop_strings(), caller)
+        text_options = TextOptions(
+            req.stop_strings(), req.include_stop_str_in_output, req.skip_special_tokens
+        )
+        return request_id, self.run(engine_request, text_options, caller)
 
     async def run(
-        self, request: EngineRequest, stops: list[str], caller: str = ""
+        self, request: EngineRequest, options: TextOptions | None = None, caller: str = ""
     ) -> AsyncGenerator[Piece, None]:
         """Engine outputs -> text pieces; a stop string ends the request early."""
         num_tokens = 0
         texts: list[str] = []
         try:
             # aclosing: closing this generator must close the engine stream now (abort).
-            async with aclosing(self._pieces(request, stops)) as pieces:
+            async with aclosing(self._pieces(request, options or TextOptions())) as pieces:
                 async for piece in pieces:
                     num_tokens = piece.num_completion_tokens
                     if self.log_requests:
@@ -240,10 +208,12 @@ class CompletionService:
                 logger.info("[%s] output: %r", request.request_id, "".join(texts))
 
     async def _pieces(
-        self, request: EngineRequest, stops: list[str]
+        self, request: EngineRequest, options: TextOptions
     ) -> AsyncGenerator[Piece, None]:
-        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer)
-        matcher = StopStringMatcher(stops)
+        detok = IncrementalDetokenizer(
+            self.tokenizer.backend_tokenizer, options.skip_special_tokens
+        )
+        matcher = StopStringMatcher(options.stop_strings)
         num_tokens = 0
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet
@@ -271,6 +241,8 @@ class CompletionService:
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
                 if finish is not None and not matcher.hit:
                     text += matcher.flush()
+                if matcher.hit and options.include_stop_str_in_output:
+                    text += matcher.matched or ""
                 if finish is not None:
                     self.metrics.finished(finish, request.arrival_time, out.timings)
                 if text or finish is not None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api_server.protocol import ErrorType, anthropic_error_body, error_body
+from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
 from api_server.rate_limit import RateLimited, RateLimiter
 
 OPEN_PATHS = frozenset(
@@ -41,8 +42,10 @@ class Guard:
         api_keys: tuple[str, ...],
         max_body_bytes: int,
         limiter: RateLimiter | None = None,
+        error_formats: Mapping[str, ErrorFormat] | None = None,
     ) -> None:
         self.app = app
+        self.error_formats = error_formats or {}
         self._digests = [_digest(k) for k in api_keys]
         self.max_body_bytes = max_body_bytes
         self.limiter = limiter or RateLimiter()
@@ -72,12 +75,8 @@ class Guard:
         is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
         if not is_open and not self.authorized(headers):
             message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
-            await _reply(
-                send,
-                401,
-                _error(path, 401, message, "authentication_error", "invalid_api_key"),
-                {"www-authenticate": "Bearer"},
-            )
+            error = ApiError(401, message, "authentication_error", code="invalid_api_key")
+            await _reply(send, 401, self._body(path, error), {"www-authenticate": "Bearer"})
             return
         caller = self.caller(scope, headers)
         scope.setdefault("state", {})["caller"] = caller
@@ -85,11 +84,9 @@ class Guard:
             try:
                 self.limiter.admit(caller)
             except RateLimited as e:
+                error = ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded")
                 await _reply(
-                    send,
-                    429,
-                    _error(path, 429, str(e), "rate_limit_error", "rate_limit_exceeded"),
-                    {"retry-after": e.retry_after_header},
+                    send, 429, self._body(path, error), {"retry-after": e.retry_after_header}
                 )
                 return
         length = headers.get("content-length")
@@ -97,6 +94,10 @@ class Guard:
             await _reply(send, 413, too_large_body(self.max_body_bytes))
             return
         await self.app(scope, self._limited(receive), send)
+
+    def _body(self, path: str, error: ApiError) -> dict[str, Any]:
+        """The error body in the dialect of the route asked for."""
+        return self.error_formats.get(path, OPENAI_ERRORS).body(error)
 
     def _limited(self, receive: Receive) -> Receive:
         seen = 0
@@ -111,13 +112,6 @@ class Guard:
             return message
 
         return wrapped
-
-
-def _error(path: str, status: int, message: str, kind: ErrorType, code: str) -> dict[str, Any]:
-    """The error body in the dialect of the route asked for."""
-    if path == "/v1/messages":
-        return anthropic_error_body(status, message)
-    return error_body(message, kind, code=code)
 
 
 def _presented_key(headers: dict[str, str]) -> str:

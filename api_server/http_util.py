@@ -12,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api_server.generation import ApiError, EngineRequestError, Piece
+from api_server.errors import ApiError
+from api_server.generation import EngineRequestError, Piece
 from api_server.protocol import validation_error_param
 
 T = TypeVar("T", bound=BaseModel)
@@ -29,15 +30,19 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def parse(request: Request, schema: type[T], served_model_name: str) -> T:
-    """The body as ``schema``: 400 for bad JSON, 422 naming a bad field, 404 for
-    another model's name."""
-    body = await json_body(request)
+def validate(body: dict[str, Any], schema: type[T], status: int = 422) -> T:
+    """The body as ``schema``; an invalid field is ``status`` (422) naming it."""
     try:
-        req = schema.model_validate(body)
+        return schema.model_validate(body)
     except ValidationError as e:
         message, param = validation_error_param(e)
-        raise ApiError(422, message, param=param) from None
+        raise ApiError(status, message, param=param) from None
+
+
+async def parse(request: Request, schema: type[T], served_model_name: str) -> T:
+    """The body of a non-generation route as ``schema``: 400 for bad JSON, 422 naming a
+    bad field, 404 for another model's name."""
+    req = validate(await json_body(request), schema)
     model = getattr(req, "model", served_model_name)
     if model != served_model_name:
         raise ApiError(
@@ -61,12 +66,6 @@ async def first_piece(pieces: AsyncGenerator[Piece, None]) -> Piece:
     except BaseException:
         await pieces.aclose()
         raise
-
-
-async def chain(first: Piece, rest: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
-    yield first
-    async for piece in rest:
-        yield piece
 
 
 def caller_of(request: Request) -> str:

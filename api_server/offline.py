@@ -24,7 +24,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from api_server.client import EngineClient
-from api_server.generation import ApiError, CompletionService, EngineRequestError, Piece
+from api_server.errors import ApiError
+from api_server.generation import CompletionService, EngineRequestError, Piece, TextOptions
 from common.cli_args import parse_config
 from common.config import EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
@@ -176,7 +177,7 @@ class LLM:
     async def _run_one(self, request: EngineRequest, stop: list[str]) -> CompletionOutput:
         pieces: list[Piece] = []
         try:
-            async for piece in self._service.run(request, stop):
+            async for piece in self._service.run(request, TextOptions(stop)):
                 pieces.append(piece)
         except EngineRequestError as e:
             raise RuntimeError(f"request {request.request_id} failed: {e}") from None

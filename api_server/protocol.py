@@ -1,4 +1,12 @@
-"""OpenAI HTTP schemas (pydantic) and their translation into engine sampling params."""
+"""OpenAI HTTP schemas (pydantic) and their translation into engine sampling params.
+
+Fields are taken as vLLM takes them: every parameter the OpenAI API defines is
+accepted, those that do not apply to a self-hosted model (``store``, ``service_tier``,
+...) are ignored visibly (``ignored_fields``: logged and named in a response header),
+unknown fields likewise unless the server runs with ``--strict-request-fields``, and
+parameters whose meaning Tandem cannot honour (``tools``, beam search, ...) are refused
+with 400 rather than silently dropped.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +15,96 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.messages import FinishReason, SamplingParams
+from api_server.errors import ApiError
+from api_server.sampling_defaults import SamplingDefaults
+from api_server.structured import StructuredOutputsParams, structured_output_of
+from common.messages import FinishReason, SamplingParams, StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 
 
-class _Strict(BaseModel):
-    # Unknown fields are refused, never silently ignored; NaN/Infinity are refused.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Body(BaseModel):
+    # Unknown fields are kept (and reported by ``ignored_fields``); NaN/Infinity refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of fields no schema declares, at any depth."""
+    names = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{name}.{i}." if isinstance(value, list) else f"{name}."
+                names += unknown_fields(item, prefix + where)
+    return names
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     model: str
     prompt: str
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-class GenerationRequest(_Strict):
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# OpenAI parameters that change nothing on a self-hosted model: accepted, ignored, and
+# named in the response's ignored-fields header when set.
+INAPPLICABLE_OPENAI_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "verbosity",
+    "prompt_cache_key",
+    "safety_identifier",
+    "user",
+    "spaces_between_special_tokens",  # vLLM's; the detokenizer's spacing is the tokenizer's
+)
+
+
+class GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    # None: the model's generation_config.json default, else OpenAI's (1.0 / 1.0 / off).
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -55,13 +114,89 @@ class GenerationRequest(_Strict):
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    n: int = Field(default=1, ge=1)
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+        ]
+        | None
+    ) = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions: output (and prompt) token ids in the response; a scheduling
     # priority (lower runs first, with --scheduling-policy priority); a salt that keeps
-    # this request's prefix-cache entries apart from other tenants'.
+    # this request's prefix-cache entries apart from other tenants'; structured outputs
+    # in vLLM's new and old spellings; token filters; stop-string and detokenizer options.
     return_token_ids: bool = False
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(default=None, min_length=1)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # OpenAI's parameters that change nothing here (INAPPLICABLE_OPENAI_FIELDS): declared,
+    # so that --strict-request-fields refuses only fields nobody defines.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    reasoning_effort: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    user: Any = None
+    spaces_between_special_tokens: Any = None
+    # Refused when used (see ``refuse_unsupported``), never silently dropped.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """400 for parameters whose meaning Tandem cannot honour."""
+        refused = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+            "use_beam_search": self.use_beam_search,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "bad_words": bool(self.bad_words),
+        }
+        for name, used in refused.items():
+            if used:
+                raise ApiError(400, f"'{name}' is not supported", param=name)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """400 for token ids the model does not have (they would index past its logits)."""
+        named = {
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "logit_bias": [int(k) for k in self.logit_bias or {} if k.lstrip("-").isdigit()],
+        }
+        for param, ids in named.items():
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ApiError(
+                    400,
+                    f"token id {bad} is outside the vocabulary (size {vocab_size})",
+                    param=param,
+                )
+
+    def ignored_fields(self) -> list[str]:
+        """Fields accepted but without effect here: unknown ones and inapplicable ones."""
+        set_here = [name for name in INAPPLICABLE_OPENAI_FIELDS if name in self.model_fields_set]
+        return list(dict.fromkeys([*set_here, *unknown_fields(self)]))
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -74,22 +209,62 @@ class GenerationRequest(_Strict):
     def num_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint asked for, in whichever spelling (400 if several)."""
+        return structured_output_of(
+            response_format=None
+            if self.response_format is None
+            else (
+                self.response_format.type,
+                None
+                if self.response_format.json_schema is None
+                else self.response_format.json_schema.schema_,
+            ),
+            structured_outputs=self.structured_outputs,
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+        )
+
+    def sampling_params(self, max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's params; fields the request left out take ``defaults`` (the
+        model's generation_config.json, or OpenAI's own)."""
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),  # -1 (vLLM) and 0 both mean off
+            temperature=_first(self.temperature, defaults.temperature, 1.0),
+            top_p=_first(self.top_p, defaults.top_p, 1.0),
+            top_k=max(_first(self.top_k, defaults.top_k, 0), 0),  # -1 (vLLM) and 0 mean off
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            min_p=_first(self.min_p, defaults.min_p, 0.0),
+            repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.num_logprobs(),
             min_tokens=self.min_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=None
+            if self.allowed_token_ids is None
+            else list(self.allowed_token_ids),
+            structured=self.structured_output(),
         )
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit() or int(key) < 0:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class CompletionRequest(GenerationRequest):
@@ -98,8 +273,19 @@ class CompletionRequest(GenerationRequest):
     )
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    n: int = Field(default=1, ge=1)
     echo: bool = False
+    add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise ApiError(400, "'suffix' is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(422, "'echo' together with 'logprobs' is not supported", param="echo")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -113,12 +299,12 @@ class CompletionRequest(GenerationRequest):
         return [str(p) for p in self.prompt]
 
 
-class ContentPart(_Strict):
+class ContentPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart]
     name: str | None = None
@@ -134,6 +320,21 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat-template controls.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                400,
+                "'continue_final_message' needs 'add_generation_prompt': false",
+                param="continue_final_message",
+            )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -177,69 +378,5 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion_chunk(
-    request_id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage_: dict[str, int] | None = None,
-    token_ids: list[int] | None = None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
 def now() -> int:
     return int(time.time())
-
-
-ErrorType = Literal[
-    "invalid_request_error",
-    "authentication_error",
-    "not_found_error",
-    "rate_limit_error",
-    "server_error",
-]
-
-
-def error_body(
-    message: str, type_: ErrorType, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {
-        "type": "error",
-        "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message},
-    }

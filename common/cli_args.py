@@ -50,6 +50,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "RMSNorm and SwiGLU (built once with gcc, cached), torch = PyTorch ops only, "
         "auto = native when it builds (default: %(default)s)",
     )
+    m.add_argument(
+        "--generation-config",
+        default=d.model.generation_config,
+        help="sampling defaults for fields a request leaves out: auto = the model's "
+        "generation_config.json (as vLLM), vllm = none (OpenAI's defaults), or a directory "
+        "holding a generation_config.json (default: %(default)s)",
+    )
     c = parser.add_argument_group("KV cache")
     c.add_argument(
         "--block-size",
@@ -186,6 +193,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.server.log_requests,
         help="log prompts and outputs (with the request id); off by default for privacy",
+    )
+    h.add_argument(
+        "--strict-request-fields",
+        action=argparse.BooleanOptionalAction,
+        default=d.server.strict_request_fields,
+        help="refuse unknown request fields with 422; by default they are ignored, logged "
+        "and named in the X-Tandem-Ignored-Fields response header (as vLLM)",
     )
     a = parser.add_argument_group("engine sockets (set by `tandem serve`; for containers)")
     a.add_argument(

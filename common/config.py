@@ -38,6 +38,9 @@ class ModelConfig:
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
     # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
+    # Sampling defaults for fields a request leaves out: "auto" = the model's
+    # generation_config.json, "vllm" = none (OpenAI's), or a directory with that file.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
@@ -49,6 +52,10 @@ class ModelConfig:
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+        _require(
+            self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
+            f"--generation-config must be auto, vllm or a directory, got {self.generation_config!r}",
         )
         _require(
             self.max_model_len is None or self.max_model_len > 0,
@@ -138,6 +145,7 @@ class ServerConfig:
     rate_limit_rpm: int = 0  # requests per minute per caller; 0 = unlimited
     rate_limit_tpm: int = 0  # prompt + completion tokens per minute per caller; 0 = unlimited
     log_requests: bool = False  # prompts and outputs in the log
+    strict_request_fields: bool = False  # 422 for unknown request fields instead of ignoring
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})

@@ -58,17 +58,48 @@ CASES = {
     "prompt over the context": Case.of(
         COMPLETIONS, prompt(prompt=[42] * 9000), 400, "prompt", "9000"
     ),
-    "unknown field": Case.of(COMPLETIONS, prompt(bogus=1), 422, "bogus", "not supported"),
     "tools": Case.of(
         CHAT,
         chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        422,
+        400,
         "tools",
         "not supported",
     ),
-    "logit_bias": Case.of(CHAT, chat(logit_bias={"42": 5}), 422, "logit_bias", "not supported"),
-    "response_format": Case.of(
-        CHAT, chat(response_format={"type": "json_object"}), 422, "response_format", "not supported"
+    "tool_choice": Case.of(CHAT, chat(tool_choice="required"), 400, "tool_choice", "not supported"),
+    "beam search": Case.of(
+        COMPLETIONS, prompt(use_beam_search=True), 400, "use_beam_search", "not supported"
+    ),
+    "logit_bias key not a token id": Case.of(
+        CHAT, chat(logit_bias={"forty": 5}), 400, "logit_bias", "not a token id"
+    ),
+    "logit_bias id outside the vocabulary": Case.of(
+        CHAT, chat(logit_bias={"10000000": 5}), 400, "logit_bias", "outside the vocabulary"
+    ),
+    "logit_bias out of range": Case.of(
+        CHAT, chat(logit_bias={"42": 500}), 422, "logit_bias.42", "100"
+    ),
+    "allowed_token_ids outside the vocabulary": Case.of(
+        COMPLETIONS, prompt(allowed_token_ids=[5, 60000]), 400, "allowed_token_ids", "outside"
+    ),
+    "schema that does not compile": Case.of(
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}),
+        400,
+        "response_format",
+        "objec",
+    ),
+    "regex that does not compile": Case.of(
+        COMPLETIONS, prompt(guided_regex="a(b"), 400, "guided_regex", "unclosed group"
+    ),
+    "two output constraints": Case.of(
+        COMPLETIONS,
+        prompt(guided_regex="a+", guided_choice=["x"]),
+        400,
+        "guided_choice",
+        "one output constraint",
+    ),
+    "chat_template_kwargs overriding a parameter": Case.of(
+        CHAT, chat(chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs", "tokenize"
     ),
     "wrong type": Case.of(COMPLETIONS, prompt(temperature="hot"), 422, "temperature", "number"),
     "wrong type in a message": Case.of(

@@ -32,7 +32,8 @@ def test_openapi_document_lists_every_route(small: TandemStack) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize"):
         assert "post" in doc["paths"][path]
     completion = doc["components"]["schemas"]["CompletionRequest"]
-    assert completion["additionalProperties"] is False  # unknown fields are refused
+    # Unknown fields are served and reported (vLLM's way; --strict-request-fields refuses them).
+    assert completion["additionalProperties"] is True
 
 
 def fuzz(operation: Any, mode: GenerationMode, url: str) -> set[int]:

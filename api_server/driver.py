@@ -1,0 +1,281 @@
+"""One driver runs a generation for every API flavour; a small format object per
+flavour (``completions.py``, ``chat.py``, ``anthropic_api.py``) turns its pieces into
+chunks, final bodies and errors.
+
+The driver owns what the three used to repeat: parsing and the model-name check, the
+ignored-fields report, refusing parameters that cannot be honoured, one engine request
+per choice (``<id>`` for the first, ``<id>-<k>`` after, so cancel-by-id reaches them
+all), waiting for each choice's first piece (a refusal is an HTTP status, not an error
+inside a stream), merging streamed choices as their pieces arrive, mid-stream errors,
+and the response headers (``X-Request-Id``, ``Cache-Control``, ``Retry-After`` through
+``error_response``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from api_server.errors import ApiError, ErrorFormat, error_response
+from api_server.generation import CompletionService, EngineRequestError, Piece, collect
+from api_server.http_util import caller_of, first_piece, json_body
+from api_server.protocol import GenerationRequest, usage
+from common.messages import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+IGNORED_FIELDS_HEADER = "X-Tandem-Ignored-Fields"
+MAX_REPORTED_FIELDS = 32  # names beyond this are counted, not listed
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A request body in the engine's terms, and the fields it carried without effect."""
+
+    request: GenerationRequest
+    unknown: list[str]  # no schema declares them
+    ignored: list[str]  # unknown ones, and known ones that do not apply here
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    echo: str = ""  # text put before the completion (completions' ``echo``)
+
+
+@dataclass
+class Choice:
+    """One choice of a generation: its engine request's pieces, as they come."""
+
+    index: int
+    prompt: Prompt
+    pieces: AsyncGenerator[Piece, None]
+    collected: list[Piece] = field(default_factory=list)
+    text_offset: int = 0  # characters of this choice streamed so far (echo included)
+
+    @property
+    def last(self) -> Piece | None:
+        return self.collected[-1] if self.collected else None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.last.num_completion_tokens if self.last else 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.last.num_cached_tokens if self.last else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for p in self.collected for t in p.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.collected)
+
+
+@dataclass
+class Generation:
+    """One HTTP request's generation, as the format objects see it."""
+
+    request_id: str
+    model: str
+    created: int
+    request: GenerationRequest
+    choices: list[Choice]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Each prompt counted once, however many choices it has."""
+        return sum(len(c.prompt.ids) for c in self.choices if c.index % self.request.n == 0)
+
+    def usage(self) -> dict[str, Any]:
+        """Usage summed over every choice, so far; a prompt's cached tokens are the most
+        any of its choices found."""
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            prompt = c.index // self.request.n
+            cached[prompt] = max(cached.get(prompt, 0), c.num_cached_tokens)
+        return usage(
+            self.num_prompt_tokens,
+            sum(c.num_completion_tokens for c in self.choices),
+            sum(cached.values()),
+        )
+
+
+class ApiFormat(Protocol):
+    """What one API flavour decides; the driver does the rest."""
+
+    name: str  # for logs: completion, chat, messages
+    id_prefix: str  # cmpl-, chatcmpl-, msg_
+    errors: ErrorFormat
+
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        """The body as a generation request (ApiError on invalid fields)."""
+        ...
+
+    def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
+        """Token ids of each prompt (each gets ``n`` choices)."""
+        ...
+
+    def stream_start(self, gen: Generation) -> list[str]: ...
+
+    def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
+        """Events for a piece already appended to ``choice.collected``."""
+        ...
+
+    def stream_end(self, gen: Generation) -> list[str]: ...
+
+    def stream_error(self, gen: Generation, message: str) -> list[str]: ...
+
+    def body(self, gen: Generation) -> dict[str, Any]: ...
+
+
+class GenerationDriver:
+    def __init__(
+        self,
+        service: CompletionService,
+        fmt: ApiFormat,
+        max_choices: int,
+        strict_fields: bool = False,
+    ) -> None:
+        self.service = service
+        self.format = fmt
+        self.max_choices = max_choices
+        self.strict_fields = strict_fields
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await self._handle(request)
+        except ApiError as e:
+            return error_response(e, self.format.errors)
+
+    def check_model(self, model: str) -> None:
+        served = self.service.served_model_name
+        if model != served:
+            raise ApiError(
+                404,
+                f"model '{model}' does not exist; this server serves '{served}'",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    def _check_fields(self, parsed: Parsed) -> dict[str, str]:
+        if parsed.unknown and self.strict_fields:
+            name = parsed.unknown[0]
+            raise ApiError(422, f"'{name}' is not supported", param=name)
+        if not parsed.ignored:
+            return {}
+        names = [quote(name, safe="._-") for name in parsed.ignored[:MAX_REPORTED_FIELDS]]
+        if len(parsed.ignored) > MAX_REPORTED_FIELDS:
+            names.append(f"...{len(parsed.ignored) - MAX_REPORTED_FIELDS}-more")
+        logger.warning(
+            "%s request: ignored fields without effect here: %s", self.format.name, ",".join(names)
+        )
+        # Percent-encoded: a header is ASCII, field names need not be.
+        return {IGNORED_FIELDS_HEADER: ",".join(names)}
+
+    async def _handle(self, request: Request) -> Response:
+        service, fmt = self.service, self.format
+        parsed = fmt.parse(await json_body(request))
+        req = parsed.request
+        self.check_model(req.model)
+        headers = self._check_fields(parsed)
+        req.refuse_unsupported()
+        info = service.model_info()
+        prompts = fmt.prompts(req, info)
+        if len(prompts) * req.n > self.max_choices:
+            raise ApiError(
+                422,
+                f"'n' times the number of prompts is {len(prompts) * req.n}; at most "
+                f"{self.max_choices} choices per request",
+                param="n",
+            )
+        request_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
+        gen = Generation(request_id, service.served_model_name, int(time.time()), req, [])
+        for prompt in prompts:
+            for j in range(req.n):
+                k = len(gen.choices)
+                _, pieces = service.start(
+                    req,
+                    prompt.ids,
+                    info,
+                    fmt.name,
+                    request_id if k == 0 else f"{request_id}-{k}",
+                    j,
+                    caller_of(request),
+                )
+                gen.choices.append(Choice(k, prompt, pieces))
+        try:
+            firsts = await asyncio.gather(*(first_piece(c.pieces) for c in gen.choices))
+        except BaseException:
+            for c in gen.choices:
+                await c.pieces.aclose()
+            raise
+        headers["X-Request-Id"] = request_id
+        if req.stream:
+            return StreamingResponse(
+                self._stream(gen, firsts),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+            )
+        for c, first in zip(gen.choices, firsts, strict=True):
+            c.collected = await collect(first, c.pieces)
+        self._log_finished(gen)
+        return JSONResponse(fmt.body(gen), headers=headers)
+
+    async def _stream(self, gen: Generation, firsts: list[Piece]) -> AsyncGenerator[str, None]:
+        fmt = self.format
+        queue: asyncio.Queue[tuple[Choice, Piece | None, str | None]] = asyncio.Queue()
+
+        async def pump(choice: Choice, first: Piece) -> None:
+            try:
+                await queue.put((choice, first, None))
+                async for piece in choice.pieces:
+                    await queue.put((choice, piece, None))
+            except EngineRequestError as e:
+                await queue.put((choice, None, str(e)))
+
+        tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(gen.choices, firsts, strict=True)]
+        num_done = 0
+        try:
+            for event in fmt.stream_start(gen):
+                yield event
+            while num_done < len(gen.choices):
+                choice, piece, error = await queue.get()
+                if piece is None:
+                    logger.error("[%s] failed: %s", gen.request_id, error)
+                    for event in fmt.stream_error(gen, error or "the engine failed this request"):
+                        yield event
+                    return
+                choice.collected.append(piece)
+                num_done += piece.finish_reason is not None
+                for event in fmt.stream_piece(gen, choice, piece):
+                    yield event
+            self._log_finished(gen)
+            for event in fmt.stream_end(gen):
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for c in gen.choices:
+                await c.pieces.aclose()
+
+    def _log_finished(self, gen: Generation) -> None:
+        logger.info(
+            "[%s] finished: %s (%d tokens)",
+            gen.request_id,
+            ", ".join(str(c.last.finish_reason if c.last else None) for c in gen.choices),
+            sum(c.num_completion_tokens for c in gen.choices),
+        )
