@@ -7,7 +7,7 @@ STAMP := $(VENV)/.tandem-setup
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format bench bench-peers clean
+.PHONY: setup serve test test-fast test-slow lint format bench bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test: setup lint
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Only the tests marked slow (the soak, the widest parity matrices, image builds).
+test-slow: setup
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # The standard set (about an hour here, most of it the transformers peers). The llama-server peer is built apart, once,
 # by `make bench-peers`; without it the serving benchmark says so and goes on.

@@ -1,15 +1,19 @@
 """``python -m api_server [tandem serve flags]``: the HTTP server of one process.
 
-It exits with ``EXIT_ENGINE_DIED`` a grace period after losing its engine, having
-answered in-flight requests with errors and new ones with 503 meanwhile.
+SIGTERM (or SIGINT) drains: ``/readyz`` turns 503 at once, new requests get 503 +
+Retry-After, in-flight ones may finish for ``--shutdown-timeout`` seconds, then the rest
+end with an error and the process exits 0. A second signal, or SIGHUP (its Tandem parent
+died), stops at once. It exits with ``EXIT_ENGINE_DIED`` a grace period after losing its
+engine, having answered in-flight requests with errors and new ones with 503 meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
+import socket
 import sys
+import time
 from types import FrameType
 
 import uvicorn
@@ -17,24 +21,75 @@ import uvicorn
 from api_server.app import create_app
 from api_server.client import EngineClient
 from api_server.generation import CompletionService
+from api_server.http_protocol import with_header_timeout
 from api_server.rate_limit import RateLimiter
 from api_server.sampling_defaults import load_sampling_defaults
 from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.logs import setup_logging
 from common.model_files import resolve_model_dir
-from common.process import EXIT_ENGINE_DIED, die_with_parent
+from common.process import EXIT_ENGINE_DIED, PARENT_DIED, die_with_parent, record_exit_reason
 
 logger = logging.getLogger("api_server")
 
 
+DRAIN_POLL_S = 0.05
+
+
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
-    die by the signal; a requested stop is a clean exit here (code 0)."""
+    """uvicorn, with Tandem's signals: the first SIGTERM/SIGINT drains (``drain``), a
+    second one or SIGHUP stops at once. (uvicorn itself would stop listening at once and
+    re-raise the signal after its own shutdown; a requested stop is exit code 0 here.)"""
+
+    def __init__(self, config: uvicorn.Config, service: CompletionService, timeout_s: float):
+        super().__init__(config)
+        self.service = service
+        self.timeout_s = timeout_s
+        self._drain: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_signals = 0
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_signal_handler(PARENT_DIED, self._stop_now)
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C
+        # Called from a signal handler: hand over to the event loop.
+        self._num_signals += 1
+        if self._loop is None or self._num_signals > 1:
+            self._stop_now()
+        else:
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _stop_now(self) -> None:
+        self.force_exit = True
+        self.should_exit = True
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """Refuse new work, let in-flight requests finish for ``timeout_s``, end the
+        rest with an error, then stop serving."""
+        service = self.service
+        service.draining = True
+        client = service.client
+        logger.info(
+            "draining: %d request(s) in flight, up to %.0f s", client.num_in_flight, self.timeout_s
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if client.num_in_flight:
+            logger.warning(
+                "shutdown timeout: ending %d request(s) with an error", client.num_in_flight
+            )
+            client.fail_in_flight("the server shut down before this request finished")
+            while client.num_in_flight and not self.force_exit:  # their error events go out
+                await asyncio.sleep(DRAIN_POLL_S)
+        logger.info("drained; stopping")
         self.should_exit = True
 
 
@@ -80,6 +135,8 @@ async def serve(config: TandemConfig) -> int:
         config.server.max_body_bytes,
         config.server.max_n,
         config.server.strict_request_fields,
+        config.server.request_read_timeout_s,
+        config.server.allowed_origins,
     )
     server = _Server(
         uvicorn.Config(
@@ -89,13 +146,20 @@ async def serve(config: TandemConfig) -> int:
             log_level=config.server.log_level,
             access_log=config.server.log_level == "debug",
             timeout_graceful_shutdown=3,
-        )
+            http=with_header_timeout(config.server.request_read_timeout_s),
+        ),
+        service,
+        config.server.shutdown_timeout_s,
     )
     try:
         await server.serve()
     finally:
         await client.close()
     if not server.started:
+        record_exit_reason(
+            f"the API server could not listen on {config.server.host}:{config.server.port} "
+            "(is the port in use?)"
+        )
         return 1
     return exit_code
 

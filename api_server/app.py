@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -29,17 +30,23 @@ from api_server.completions import CompletionFormat
 from api_server.driver import ApiFormat, GenerationDriver
 from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body, error_response
 from api_server.generation import CompletionService
-from api_server.guard import BodyTooLarge, Guard, too_large_body
-from api_server.http_util import cancel_on_disconnect
+from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, too_slow_body
+from api_server.http_util import cancel_on_disconnect, key_id_of
 from api_server.http_util import parse as http_parse
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
+from common.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
 STATIC_DIR = Path(__file__).parent / "static"  # the chat page: plain HTML/JS/CSS
+# The chat page loads only its own script and stylesheet and talks only to this server.
+CHAT_PAGE_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 ROUTE_PATHS = frozenset(
     {
@@ -61,6 +68,28 @@ ROUTE_PATHS = frozenset(
 )
 
 
+def stats_body(s: SchedulerStats) -> dict[str, Any]:
+    total = s.num_kv_blocks_total
+    return {
+        "active_requests": s.num_running,
+        "waiting_requests": s.num_waiting,
+        "total_requests": s.num_requests_total,
+        "tokens_generated": s.num_generated_tokens_total,
+        "num_kv_blocks_total": total,
+        "num_kv_blocks_in_use": s.num_kv_blocks_in_use,
+        "cache_usage": s.num_kv_blocks_in_use / total if total else 0.0,
+        "num_tokens_scheduled": s.num_tokens_scheduled,
+        "preemptions": s.num_preemptions_total,
+        "prefix_cache_queries": s.prefix_cache_queries_total,
+        "prefix_cache_hits": s.prefix_cache_hits_total,
+        "prefix_cache_hit_rate": (
+            s.prefix_cache_hits_total / s.prefix_cache_queries_total
+            if s.prefix_cache_queries_total
+            else 0.0
+        ),
+    }
+
+
 def create_app(
     service: CompletionService,
     chat_template: str | None = None,
@@ -68,6 +97,8 @@ def create_app(
     max_body_bytes: int = 2 * 1024 * 1024,
     max_choices: int = 16,
     strict_fields: bool = False,
+    read_timeout_s: float = 30.0,
+    allowed_origins: tuple[str, ...] = (),
 ) -> Starlette:
     template = ChatTemplate(service, chat_template)
     generation_routes: dict[str, ApiFormat] = {
@@ -126,6 +157,8 @@ def create_app(
 
     async def health(request: Request) -> Response:
         client = service.client
+        if service.draining:
+            return JSONResponse({"status": "draining", "model_loaded": client.ready}, 503)
         if client.is_dead:
             return JSONResponse(
                 {"status": "dead", "model_loaded": False, "reason": client.dead_reason}, 503
@@ -135,7 +168,10 @@ def create_app(
         return JSONResponse({"status": "ok", "model_loaded": True})
 
     async def chat_page(request: Request) -> Response:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+        return FileResponse(
+            STATIC_DIR / "index.html",
+            headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP},
+        )
 
     async def livez(request: Request) -> Response:
         # Answering at all proves the event loop runs; nothing else is checked.
@@ -144,6 +180,9 @@ def create_app(
     async def readyz(request: Request) -> Response:
         client = service.client
         body: dict[str, Any] = {"role": client.role}
+        if service.draining:
+            reason = "draining: the server is shutting down"
+            return JSONResponse({**body, "status": "not_ready", "reason": reason}, 503)
         if client.is_dead:
             return JSONResponse({**body, "status": "not_ready", "reason": client.dead_reason}, 503)
         if not client.heard_from_engine:
@@ -163,29 +202,16 @@ def create_app(
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(request: Request) -> Response:
-        s = service.client.stats
-        total = s.num_kv_blocks_total
-        return JSONResponse(
-            {
-                "active_requests": s.num_running,
-                "waiting_requests": s.num_waiting,
-                "total_requests": s.num_requests_total,
-                "tokens_generated": s.num_generated_tokens_total,
-                "num_kv_blocks_total": total,
-                "num_kv_blocks_in_use": s.num_kv_blocks_in_use,
-                "cache_usage": s.num_kv_blocks_in_use / total if total else 0.0,
-                "num_tokens_scheduled": s.num_tokens_scheduled,
-                "preemptions": s.num_preemptions_total,
-                "prefix_cache_queries": s.prefix_cache_queries_total,
-                "prefix_cache_hits": s.prefix_cache_hits_total,
-                "prefix_cache_hit_rate": (
-                    s.prefix_cache_hits_total / s.prefix_cache_queries_total
-                    if s.prefix_cache_queries_total
-                    else 0.0
-                ),
-                "engine_ready": service.client.ready,
+        client = service.client
+        body: dict[str, Any] = {**stats_body(client.stats), "engine_ready": client.ready}
+        if client.pools:  # split pools: the figures above are totals
+            body["pools"] = {name: stats_body(s) for name, s in client.pools.items()}
+        if client.kv_transfers is not None:
+            body["kv_transfers"] = {
+                "outcomes": client.kv_transfers.outcomes,
+                "bytes": client.kv_transfers.num_bytes_total,
             }
-        )
+        return JSONResponse(body)
 
     async def reset_prefix_cache(request: Request) -> Response:
         service.client.reset_prefix_cache()
@@ -193,7 +219,7 @@ def create_app(
 
     async def cancel(request: Request) -> Response:
         request_id = request.path_params["request_id"]
-        if not service.client.cancel(request_id):
+        if not service.client.cancel(request_id, key_id_of(request)):
             raise ApiError(
                 404,
                 f"no request {request_id} in flight on this server",
@@ -204,6 +230,9 @@ def create_app(
 
     async def body_too_large(request: Request, exc: Exception) -> Response:
         return JSONResponse(too_large_body(max_body_bytes), 413)
+
+    async def body_too_slow(request: Request, exc: Exception) -> Response:
+        return JSONResponse(too_slow_body(read_timeout_s), 408, headers={"Connection": "close"})
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)  # registered for ApiError only
@@ -245,10 +274,24 @@ def create_app(
         exception_handlers={
             ApiError: api_error,
             BodyTooLarge: body_too_large,
+            BodyTooSlow: body_too_slow,
             404: not_found,
             405: method_not_allowed,
         },
         middleware=[
+            *(  # CORS only for the origins the operator named; none by default
+                [
+                    Middleware(
+                        CORSMiddleware,
+                        allow_origins=list(allowed_origins),
+                        allow_methods=["GET", "POST"],
+                        allow_headers=["Authorization", "Content-Type", "x-api-key"],
+                        expose_headers=["X-Request-Id", "X-Tandem-Ignored-Fields"],
+                    )
+                ]
+                if allowed_origins
+                else []
+            ),
             Middleware(HttpMetrics, metrics=service.metrics, routes=ROUTE_PATHS),
             Middleware(
                 Guard,
@@ -256,6 +299,7 @@ def create_app(
                 max_body_bytes=max_body_bytes,
                 limiter=service.limiter,
                 error_formats=error_formats,
+                read_timeout_s=read_timeout_s,
             ),
         ],
     )

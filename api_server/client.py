@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from common.config import EngineAddresses
+from common.curve import CurveKeys
 from common.ipc import Codec, make_socket
 from common.messages import (
     AbortRequests,
@@ -32,6 +33,7 @@ from common.messages import (
     EngineRequest,
     ErrorKind,
     FinishReason,
+    KVTransferStats,
     ModelInfo,
     RequestOutput,
     ResetPrefixCache,
@@ -47,30 +49,38 @@ class EngineClient:
     def __init__(
         self, addresses: EngineAddresses, on_dead: Callable[[str], None] | None = None
     ) -> None:
+        self._keys = CurveKeys(addresses.curve_keys) if addresses.curve_keys else None
         self.client_id = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self._addresses = addresses
         self._on_dead = on_dead
         self._codec: Codec[EngineOutput] = Codec(EngineOutput)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._owners: dict[str, str | None] = {}  # request id -> the API key that made it
         self._send_queue: asyncio.Queue[msgspec.Struct] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = False
         self.stats = SchedulerStats()
         self.model: ModelInfo | None = None
         self.role = "unified"
+        self.pools: dict[str, SchedulerStats] = {}  # split pools: each pool's figures
+        self.kv_transfers: KVTransferStats | None = None
         self.dead_reason: str | None = None
         self._last_heartbeat: float | None = None
         self.num_malformed_frames = 0
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._push = make_socket(self._ctx, zmq.PUSH, self._addresses.input_address, bind=False)
+        secure = self._keys.make_client if self._keys else None
+        self._push = make_socket(
+            self._ctx, zmq.PUSH, self._addresses.input_address, bind=False, secure=secure
+        )
         self._dealer = make_socket(
             self._ctx,
             zmq.DEALER,
             self._addresses.output_address,
             bind=False,
             identity=self.client_id,
+            secure=secure,
         )
         await self._dealer.send(self._codec.encode(ClientHello(self.client_id)))  # type: ignore[misc]
         self._tasks = [
@@ -98,16 +108,29 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, request: EngineRequest, owner: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Send the request and yield its outputs until one carries a finish reason.
-        Leaving early (client gone, stop string hit) aborts it in the engine."""
+        Leaving early (client gone, stop string hit) aborts it in the engine. ``owner``
+        (an API key's identity) is the only caller ``cancel`` will obey for it."""
         if self.dead_reason is not None:
             yield RequestOutput(
                 request.request_id, [], FinishReason.ERROR, self.dead_reason, ErrorKind.INTERNAL
             )
             return
+        if request.request_id in self._queues:
+            yield RequestOutput(
+                request.request_id,
+                [],
+                FinishReason.ERROR,
+                f"request id {request.request_id} is already in use",
+                ErrorKind.INVALID,
+            )
+            return
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request.request_id] = outputs
+        self._owners[request.request_id] = owner
         finished = False
         try:
             self._send_queue.put_nowait(request)
@@ -119,16 +142,39 @@ class EngineClient:
                     return
         finally:
             del self._queues[request.request_id]
+            del self._owners[request.request_id]
             if not finished:
                 self.abort_nowait([request.request_id])
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, caller: str | None = None) -> bool:
         """Abort an in-flight request of this server, with all its choices (``<id>-<k>``);
-        False if there is none by that id."""
-        ids = [r for r in self._queues if r == request_id or r.startswith(request_id + "-")]
+        False if there is none by that id that ``caller`` may cancel (a request made with
+        an API key is the key's alone)."""
+        ids = [
+            r
+            for r in self._queues
+            if (r == request_id or r.startswith(request_id + "-"))
+            and self._owners.get(r) in (None, caller)
+        ]
         if ids:
             self.abort_nowait(ids)
         return bool(ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests of this server still running (a choice counts as one)."""
+        return len(self._queues)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """End every in-flight request with an error now (streams get an error event) and
+        abort them in the engine."""
+        ids = list(self._queues)
+        for request_id in ids:
+            self._queues[request_id].put_nowait(
+                RequestOutput(request_id, [], FinishReason.ERROR, reason, ErrorKind.INTERNAL)
+            )
+        if ids:
+            self.abort_nowait(ids)
 
     def reset_prefix_cache(self) -> None:
         self._send_queue.put_nowait(ResetPrefixCache())
@@ -167,6 +213,8 @@ class EngineClient:
                 self.stats = message.stats
                 self.model = message.model or self.model
                 self.role = message.role
+                self.pools = message.pools
+                self.kv_transfers = message.kv_transfers
             elif isinstance(message, EngineDead):
                 self._mark_dead(f"engine core is down: {message.reason}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_server.errors import ApiError, ErrorFormat, error_response
 from api_server.generation import CompletionService, EngineRequestError, Piece, collect
-from api_server.http_util import caller_of, first_piece, json_body
+from api_server.http_util import caller_of, first_piece, json_body, key_id_of
 from api_server.protocol import GenerationRequest, usage
 from common.messages import ModelInfo
 
@@ -140,6 +141,24 @@ class ApiFormat(Protocol):
     def body(self, gen: Generation) -> dict[str, Any]: ...
 
 
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(request: Request) -> str | None:
+    """A client's own request id (``X-Request-Id``, as vLLM takes it): it names the
+    request in the engine and in cancel, and may be reused once that request has ended."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return None
+    if not _CLIENT_ID.fullmatch(given):
+        raise ApiError(
+            400,
+            "X-Request-Id must be 1-128 letters, digits or . _ : -",
+            param="X-Request-Id",
+        )
+    return given
+
+
 class GenerationDriver:
     def __init__(
         self,
@@ -201,7 +220,7 @@ class GenerationDriver:
                 f"{self.max_choices} choices per request",
                 param="n",
             )
-        request_id = f"{fmt.id_prefix}{uuid.uuid4().hex}"
+        request_id = client_request_id(request) or f"{fmt.id_prefix}{uuid.uuid4().hex}"
         gen = Generation(request_id, service.served_model_name, int(time.time()), req, [])
         for prompt in prompts:
             for j in range(req.n):
@@ -214,6 +233,7 @@ class GenerationDriver:
                     request_id if k == 0 else f"{request_id}-{k}",
                     j,
                     caller_of(request),
+                    key_id_of(request),
                 )
                 gen.choices.append(Choice(k, prompt, pieces))
         try:

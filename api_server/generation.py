@@ -80,12 +80,18 @@ class CompletionService:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.client = client
-        self.metrics = metrics or Metrics(served_model_name, lambda: client.stats)
+        self.metrics = metrics or Metrics(served_model_name, client)
         self.limiter = limiter or RateLimiter()
         self.log_requests = log_requests
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.draining = False  # set on SIGTERM: new requests get 503, running ones finish
 
     def model_info(self) -> ModelInfo:
+        """The model's figures, or 503 when this server cannot take a request now."""
+        if self.draining:
+            raise ApiError(
+                503, "the server is shutting down; retry on another replica", "server_error"
+            )
         if self.client.is_dead:
             raise ApiError(503, f"the engine is down: {self.client.dead_reason}", "server_error")
         if not self.client.ready or self.client.model is None:
@@ -142,10 +148,12 @@ class CompletionService:
         request_id: str | None = None,
         choice: int = 0,
         caller: str = "",
+        owner: str | None = None,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
-        ``caller`` is charged the prompt's tokens now and the completion's when it ends."""
+        ``caller`` is charged the prompt's tokens now and the completion's when it ends;
+        ``owner`` (the API key's identity, when keys are on) alone may cancel it."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
         req.check_token_ids(info.vocab_size)
         if req.min_tokens > max_tokens:
@@ -186,17 +194,22 @@ class CompletionService:
         text_options = TextOptions(
             req.stop_strings(), req.include_stop_str_in_output, req.skip_special_tokens
         )
-        return request_id, self.run(engine_request, text_options, caller)
+        return request_id, self.run(engine_request, text_options, caller, owner)
 
     async def run(
-        self, request: EngineRequest, options: TextOptions | None = None, caller: str = ""
+        self,
+        request: EngineRequest,
+        options: TextOptions | None = None,
+        caller: str = "",
+        owner: str | None = None,
     ) -> AsyncGenerator[Piece, None]:
         """Engine outputs -> text pieces; a stop string ends the request early."""
         num_tokens = 0
         texts: list[str] = []
         try:
             # aclosing: closing this generator must close the engine stream now (abort).
-            async with aclosing(self._pieces(request, options or TextOptions())) as pieces:
+            pieces_of = self._pieces(request, options or TextOptions(), owner)
+            async with aclosing(pieces_of) as pieces:
                 async for piece in pieces:
                     num_tokens = piece.num_completion_tokens
                     if self.log_requests:
@@ -208,7 +221,7 @@ class CompletionService:
                 logger.info("[%s] output: %r", request.request_id, "".join(texts))
 
     async def _pieces(
-        self, request: EngineRequest, options: TextOptions
+        self, request: EngineRequest, options: TextOptions, owner: str | None
     ) -> AsyncGenerator[Piece, None]:
         detok = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer, options.skip_special_tokens
@@ -220,7 +233,7 @@ class CompletionService:
         pending_logprobs: list[TokenLogprobs] = []
         last_token_time: float | None = None
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
-        async with aclosing(self.client.generate(request)) as outputs:
+        async with aclosing(self.client.generate(request, owner)) as outputs:
             async for out in outputs:
                 if out.finish_reason == FinishReason.ERROR:
                     raise EngineRequestError(

@@ -3,12 +3,14 @@ the request-body size limit.
 
 Keys are kept only as SHA-256 digests and compared in constant time. The caller's
 identity (a key digest prefix, or the client address when no keys are set) is left in
-``scope["state"]["caller"]`` for the routes, which charge tokens to it. Streaming
+``scope["state"]["caller"]`` for the routes, which charge tokens to it; with keys on it
+is also ``scope["state"]["key_id"]``, the owner of the requests made with that key. Streaming
 responses pass through untouched (pure ASGI, no response buffering).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -31,6 +33,10 @@ class BodyTooLarge(Exception):
     """Raised while reading a body that outgrows the limit (no Content-Length given)."""
 
 
+class BodyTooSlow(Exception):
+    """Raised while reading a body that has not arrived whole within the read timeout."""
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
@@ -43,8 +49,10 @@ class Guard:
         max_body_bytes: int,
         limiter: RateLimiter | None = None,
         error_formats: Mapping[str, ErrorFormat] | None = None,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.app = app
+        self.read_timeout_s = read_timeout_s
         self.error_formats = error_formats or {}
         self._digests = [_digest(k) for k in api_keys]
         self.max_body_bytes = max_body_bytes
@@ -79,7 +87,10 @@ class Guard:
             await _reply(send, 401, self._body(path, error), {"www-authenticate": "Bearer"})
             return
         caller = self.caller(scope, headers)
-        scope.setdefault("state", {})["caller"] = caller
+        state = scope.setdefault("state", {})
+        state["caller"] = caller
+        # With keys on, the key's identity owns the requests it makes (cancel checks it).
+        state["key_id"] = caller if self._digests else None
         if path in GENERATION_PATHS and scope["method"] == "POST":
             try:
                 self.limiter.admit(caller)
@@ -100,15 +111,27 @@ class Guard:
         return self.error_formats.get(path, OPENAI_ERRORS).body(error)
 
     def _limited(self, receive: Receive) -> Receive:
+        """``receive`` that refuses a body over the size limit or one still arriving when
+        the read timeout is up (a client sending a byte a second); once the body is in,
+        waiting for a disconnect has no deadline."""
         seen = 0
+        body_done = False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def wrapped() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:
+                return await receive()
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+            except TimeoutError:
+                raise BodyTooSlow() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
                     raise BodyTooLarge()
+                body_done = not message.get("more_body", False)
             return message
 
         return wrapped
@@ -119,6 +142,14 @@ def _presented_key(headers: dict[str, str]) -> str:
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return headers.get("x-api-key", "")
+
+
+def too_slow_body(timeout_s: float) -> dict[str, Any]:
+    return error_body(
+        f"the request body was not received within {timeout_s:g} s",
+        "invalid_request_error",
+        code="request_timeout",
+    )
 
 
 def too_large_body(limit: int) -> dict[str, Any]:

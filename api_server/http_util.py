@@ -25,6 +25,8 @@ async def json_body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser gives up around a thousand levels deep
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
@@ -71,6 +73,12 @@ async def first_piece(pieces: AsyncGenerator[Piece, None]) -> Piece:
 def caller_of(request: Request) -> str:
     """The caller the ``Guard`` identified, for rate-limit charges."""
     return str(request.scope.get("state", {}).get("caller", ""))
+
+
+def key_id_of(request: Request) -> str | None:
+    """The API key (by digest prefix) that made this request; None when keys are off."""
+    key_id = request.scope.get("state", {}).get("key_id")
+    return None if key_id is None else str(key_id)
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -14,7 +14,8 @@ Two kinds, and how several API-server processes add up:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -26,7 +27,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.messages import ITERATION_TOKEN_BUCKETS, RequestTimings, SchedulerStats
+from common.messages import (
+    ITERATION_TOKEN_BUCKETS,
+    KV_TRANSFER_BUCKETS_S,
+    KVTransferStats,
+    RequestTimings,
+    SchedulerStats,
+)
 
 PREFIX = "tandem:"
 
@@ -39,32 +46,86 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 
 
-class _EngineCollector(Collector):
-    """Engine-wide figures read from the latest stats at scrape time."""
+class EngineFigures(Protocol):
+    """Where the engine's latest figures are (the ``EngineClient``, fed by heartbeats)."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str) -> None:
-        self._stats = stats
+    stats: SchedulerStats
+    pools: dict[str, SchedulerStats]
+    kv_transfers: KVTransferStats | None
+
+
+class _EngineCollector(Collector):
+    """Engine-wide figures read from the latest stats at scrape time. With split pools,
+    the running/waiting/KV-usage gauges carry a ``pool`` label (one series per pool), and
+    the KV hand-offs are exported; a unified pool's series are as they always were."""
+
+    def __init__(self, engine: EngineFigures, model_name: str) -> None:
+        self._engine = engine
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        yield from self._pool_gauges()
+        yield from self._counters()
+        transfers = self._engine.kv_transfers
+        if transfers is not None:
+            yield from self._transfers(transfers)
+
+    def _pool_gauges(self) -> Iterator[Metric]:
+        pools = self._engine.pools or {"": self._engine.stats}
+        labels = ["model_name", "pool"] if self._engine.pools else ["model_name"]
+        families = {
+            "num_requests_running": ("Requests in the running batch.", lambda s: s.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            "kv_cache_usage_perc": (
+                "Fraction of KV blocks in use (0-1).",
+                lambda s: (
+                    s.num_kv_blocks_in_use / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
+                ),
+            ),
+        }
+        for name, (doc, value_of) in families.items():
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for pool, stats in pools.items():
+                g.add_metric([self._model, pool] if pool else [self._model], value_of(stats))
+            yield g
+
+    def _transfers(self, t: KVTransferStats) -> Iterator[Metric]:
+        labels = ["model_name", "outcome"]
+        c = CounterMetricFamily(
+            PREFIX + "kv_transfers",
+            "Prefill -> decode hand-offs by how they ended (local_prefill: prefilled in the "
+            "decode pool instead).",
+            labels=labels,
+        )
+        for outcome, count in t.outcomes.items():
+            c.add_metric([self._model, outcome], count)
+        yield c
+        b = CounterMetricFamily(
+            PREFIX + "kv_transfer_bytes", "KV bytes streamed between pools.", labels=["model_name"]
+        )
+        b.add_metric([self._model], t.num_bytes_total)
+        yield b
+        if t.duration_buckets:
+            h = HistogramMetricFamily(
+                PREFIX + "kv_transfer_duration_seconds",
+                "Prompt done in the prefill pool to ready in the decode pool.",
+                labels=["model_name"],
+            )
+            bounds = [str(float(b)) for b in KV_TRANSFER_BUCKETS_S] + ["+Inf"]
+            buckets = [float(c) for c in t.duration_buckets]
+            h.add_metric([self._model], list(zip(bounds, buckets, strict=True)), t.duration_sum_s)
+            yield h
+
+    def _counters(self) -> Iterator[Metric]:
+        s = self._engine.stats
         labels = ["model_name"]
         value = [self._model]
-
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(value, v)
-            return g
 
         def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, v)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        usage = s.num_kv_blocks_in_use / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", usage)
         yield counter(
             "prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens_total
         )
@@ -78,6 +139,16 @@ class _EngineCollector(Collector):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
             s.prefix_cache_hits_total,
         )  # fmt: skip
+        yield counter(
+            "malformed_frames", "Frames the engine's input socket could not decode (dropped).",
+            s.num_malformed_frames_total,
+        )  # fmt: skip
+        yield counter(
+            "engine_input_dropped_connections",
+            "Connections the engine's input socket lost: a peer went away, or sent a frame "
+            "over the size limit.",
+            s.num_dropped_connections_total,
+        )
         if s.iteration_tokens_buckets:
             h = HistogramMetricFamily(
                 PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=labels
@@ -94,10 +165,10 @@ class _EngineCollector(Collector):
 class Metrics:
     """This process's registry: the engine collector plus per-request observations."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model_name: str, engine: EngineFigures) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(engine, model_name))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(

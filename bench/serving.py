@@ -6,6 +6,8 @@ plots in docs/img/.
 Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching
   tandem-static     tandem serve --batching static
+  tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
+  tandem-split-tcp  the same, KV streamed over TCP
   llama-server      llama.cpp on the same SmolLM2 GGUF, one slot per client (make bench-peers)
   hf-sequential     transformers generate, one request at a time
   hf-static         transformers generate on padded batches of `concurrency` requests
@@ -37,7 +39,17 @@ from bench.rss import PeakRss
 from bench.stats import RequestResult, Slo, summarize
 from bench.workloads import WORKLOADS, BenchRequest, make_requests
 
-SYSTEMS = ("tandem", "tandem-static", "llama-server", "hf-sequential", "hf-static", "hf-continuous")
+SYSTEMS = (
+    "tandem",
+    "tandem-static",
+    "tandem-split",
+    "tandem-split-tcp",
+    "llama-server",
+    "hf-sequential",
+    "hf-static",
+    "hf-continuous",
+)
+SPLIT = {"tandem-split": "shm", "tandem-split-tcp": "tcp"}
 IMG = Path(__file__).parents[1] / "docs" / "img"
 Runner = Callable[[list[BenchRequest], int], tuple[list[RequestResult], float]]
 
@@ -115,8 +127,11 @@ class Systems:
         return run
 
     def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
-        if system in ("tandem", "tandem-static"):
+        if system in ("tandem", "tandem-static", *SPLIT):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
+            if system in SPLIT:
+                flags += ("--prefill-workers", "1", "--decode-workers", "1")
+                flags += ("--kv-transfer", SPLIT[system])
             url, pid = self.stack.enter_context(tandem_process(*flags))
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
         elif system == "llama-server":
@@ -195,11 +210,25 @@ def main(argv: list[str] | None = None) -> None:
                     results, wall = run(requests, c)
                 peaks[system] = max(peaks.get(system, 0), peak.bytes)
                 summary = summarize(results, wall, slo)
+                kinds = sorted({r.kind for r in requests})
+                by_kind = {
+                    kind: summarize(
+                        [
+                            res
+                            for res, req in zip(results, requests, strict=True)
+                            if req.kind == kind
+                        ],
+                        wall,
+                        slo,
+                    )
+                    for kind in kinds
+                }
                 points.append(
                     {
                         "system": system,
                         "concurrency": c,
                         "summary": summary,
+                        "by_kind": by_kind if len(kinds) > 1 else {},
                         "requests": [asdict(r) for r in results],
                     }
                 )
@@ -240,6 +269,20 @@ def report(
          "p99", "e2e p50", "p95", "goodput"],
         rows,
     )  # fmt: skip
+    if any(p["by_kind"] for p in points):
+        print("\nby kind of request (long-prompt-interference: decode streams vs long prompts)")
+        print_table(
+            ["system", "c", "kind", "reqs", "TTFT p50", "ITL p50", "ITL p99", "goodput"],
+            [
+                [
+                    p["system"], p["concurrency"], kind, k["requests"], _ms(k["ttft_s"]["p50"]),
+                    _ms(k["itl_s"]["p50"]), _ms(k["itl_s"]["p99"]),
+                    f"{k['goodput_requests']}/{k['requests']}",
+                ]
+                for p in points
+                for kind, k in p["by_kind"].items()
+            ],
+        )  # fmt: skip
     print("\npeak RSS (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in peaks.items()))
     verdicts = yardstick(points, peaks)
     for line in verdicts:
@@ -307,6 +350,25 @@ def yardstick(points: list[dict[str, Any]], peaks: dict[str, int]) -> list[str]:
             f"c=1: tandem ITL p50 = {r:.2f}x llama-server's; goal <= 1.2x -> "
             f"{'met' if r <= 1.2 else 'NOT met'}"
         )
+    for split in SPLIT:
+        for c in sorted({p["concurrency"] for p in points}):
+            ours = next((p for p in points if (p["system"], p["concurrency"]) == (split, c)), None)
+            base = next(
+                (p for p in points if (p["system"], p["concurrency"]) == ("tandem", c)), None
+            )
+            if not (
+                ours and base and ours["by_kind"].get("decode") and base["by_kind"].get("decode")
+            ):
+                continue
+            a, b = (
+                ours["by_kind"]["decode"]["itl_s"]["p99"],
+                base["by_kind"]["decode"]["itl_s"]["p99"],
+            )
+            if a and b:
+                lines.append(
+                    f"c={c}: {split} decode-stream ITL p99 {_ms(a)} ms vs unified {_ms(b)} ms = "
+                    f"{b / a:.2f}x lower; goal >= 2x -> {'met' if b / a >= 2 else 'NOT met'}"
+                )
     if "tandem" in peaks and "llama-server" in peaks and peaks["llama-server"]:
         r = peaks["tandem"] / peaks["llama-server"]
         lines.append(

@@ -20,7 +20,17 @@ def main(argv: list[str] | None = None) -> None:
         "with none, this serves the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.",
     )
     add_cli_args(serve)
+    keys = commands.add_parser(
+        "keys",
+        help="make the CurveZMQ key pairs a deployment's processes share (--curve-keys DIR)",
+    )
+    keys.add_argument("directory", help="where to write server.key[_secret], client.key[_secret]")
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        from common.curve import generate_keys
+
+        print(f"CurveZMQ keys written to {generate_keys(args.directory)}")
+        return
     try:
         config = TandemConfig.from_cli_args(args)
     except ValueError as e:

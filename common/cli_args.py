@@ -195,11 +195,119 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="log prompts and outputs (with the request id); off by default for privacy",
     )
     h.add_argument(
+        "--request-read-timeout-s",
+        type=float,
+        default=d.server.request_read_timeout_s,
+        help="a request's headers, then its body, must arrive within this many seconds "
+        "(else 408), so slow clients cannot hold connections (default: %(default)s)",
+    )
+    h.add_argument(
+        "--shutdown-timeout",
+        "--shutdown-timeout-s",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=d.server.shutdown_timeout_s,
+        help="on SIGTERM, readiness turns 503 and new requests get 503 at once; in-flight "
+        "requests may run this many seconds before they end with an error; a second "
+        "SIGTERM/SIGINT stops at once (default: %(default)s)",
+    )
+    h.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        help="origins allowed to call the API from a browser (CORS), e.g. "
+        "https://app.example.com; repeatable or comma-separated; default: none",
+    )
+    h.add_argument(
         "--strict-request-fields",
         action=argparse.BooleanOptionalAction,
         default=d.server.strict_request_fields,
         help="refuse unknown request fields with 422; by default they are ignored, logged "
         "and named in the X-Tandem-Ignored-Fields response header (as vLLM)",
+    )
+    p = parser.add_argument_group("worker pools (prefill/decode disaggregation)")
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=d.disagg.prefill_workers,
+        help="worker processes of a prefill pool; with --decode-workers, prompts are "
+        "prefilled in one pool and decoded in another (default: one unified pool)",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        default=d.disagg.decode_workers,
+        help="worker processes of the decode pool (with --prefill-workers)",
+    )
+    p.add_argument(
+        "--kv-transfer",
+        default=d.disagg.kv_transfer,
+        choices=("shm", "tcp"),
+        help="how a prompt's KV reaches the decode pool: shm = one shared-memory KV pool, "
+        "handed over by block ids, zero bytes copied (one host); tcp = streamed from the "
+        "prefill worker to the decode worker, checksummed (across hosts) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-transfer-lease-s",
+        type=float,
+        default=d.disagg.kv_transfer_lease_s,
+        help="tcp: a hand-off that has not landed within this many seconds expires "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        default=d.disagg.kv_load_failure_policy,
+        choices=("fail", "recompute"),
+        help="a failed or expired hand-off: fail = end the request with an error; "
+        "recompute = prefill it again in the decode pool (default: %(default)s)",
+    )
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=d.disagg.disagg_min_prompt_tokens,
+        help="prompts whose uncached part is shorter are prefilled in the decode pool: "
+        "always with tcp, only while the prefill pool is busy with shm; 0 = always hand "
+        "off (default: %(default)s)",
+    )
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="compute threads per worker process (default: this machine's cores divided "
+        "among the worker processes)",
+    )
+    p.add_argument(
+        "--external-workers",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the engine starts no workers: they run by their own command (python -m "
+        "worker --pool ...) and connect to the pool addresses; their death is noticed by "
+        "heartbeat",
+    )
+    for pool in ("unified", "prefill", "decode"):
+        p.add_argument(
+            f"--{pool}-pool-address",
+            default="",
+            help=f"ZeroMQ address the engine binds for its {pool} pool's workers "
+            "(default: ipc:// in its private runtime directory)",
+        )
+    p.add_argument(
+        "--kv-transfer-address",
+        default=d.disagg.kv_transfer_address,
+        help="tcp: where a decode worker listens for KV (port 0: any free one) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-transfer-host",
+        default="",
+        help="tcp: the host prefill workers use to reach this decode worker (default: the "
+        "bind host); set it when binding 0.0.0.0 in a container",
+    )
+    p.add_argument(
+        "--service-id",
+        default="",
+        help="names this service's shared-memory segments (set by tandem serve; give the "
+        "same one to every process of a deployment started apart)",
     )
     a = parser.add_argument_group("engine sockets (set by `tandem serve`; for containers)")
     a.add_argument(
@@ -207,6 +315,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     a.add_argument(
         "--output-address", default="", help="ZeroMQ address of the engine's output socket"
+    )
+    a.add_argument(
+        "--expose-engine",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="allow tcp:// engine addresses beyond 127.0.0.1 (requires --curve-keys)",
+    )
+    a.add_argument(
+        "--curve-keys",
+        default=None,
+        help="a directory of CurveZMQ keys made by `tandem keys DIR`: encrypts and "
+        "authenticates every engine socket (needed between hosts)",
     )
 
 

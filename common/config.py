@@ -146,6 +146,9 @@ class ServerConfig:
     rate_limit_tpm: int = 0  # prompt + completion tokens per minute per caller; 0 = unlimited
     log_requests: bool = False  # prompts and outputs in the log
     strict_request_fields: bool = False  # 422 for unknown request fields instead of ignoring
+    request_read_timeout_s: float = 30.0  # a request's headers, then its body, must arrive in this
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty = no cross-origin access
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
@@ -167,6 +170,18 @@ class ServerConfig:
         _require(self.max_n >= 1, f"--max-n must be at least 1, got {self.max_n}")
         _require(self.grace_period_s >= 0, "--grace-period-s must not be negative")
         _require(
+            self.request_read_timeout_s > 0,
+            f"--request-read-timeout-s must be positive, got {self.request_read_timeout_s}",
+        )
+        _require(
+            self.shutdown_timeout_s >= 0,
+            f"--shutdown-timeout must not be negative, got {self.shutdown_timeout_s}",
+        )
+        _require(
+            all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
+            "--allowed-origins takes origins like https://example.com (or *)",
+        )
+        _require(
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
         )
@@ -174,10 +189,15 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class EngineAddresses:
-    """ZeroMQ addresses the engine binds and API servers connect to."""
+    """ZeroMQ addresses the engine binds and API servers connect to, and how they are
+    protected: beyond the loopback interface only with ``expose_engine`` and CurveZMQ keys
+    (``curve_keys``: a directory made by ``tandem keys``; files, never key text on a
+    command line)."""
 
     input_address: str = ""  # API servers PUSH requests here
     output_address: str = ""  # engine ROUTER sends outputs here
+    expose_engine: bool = False
+    curve_keys: str | None = None
 
     @staticmethod
     def ipc_in(runtime_dir: str) -> EngineAddresses:
@@ -192,6 +212,110 @@ class EngineAddresses:
                 address == "" or address.startswith(("ipc://", "tcp://")),
                 f"--{name}-address must start with ipc:// or tcp://, got {address!r}",
             )
+            _require(
+                is_private_address(address) or self.expose_engine,
+                f"--{name}-address {address} listens beyond 127.0.0.1; pass --expose-engine "
+                "(with --curve-keys) to mean it",
+            )
+        _require(
+            not self.expose_engine or self.curve_keys is not None,
+            "--expose-engine needs --curve-keys DIR (CurveZMQ keys made by `tandem keys DIR`): "
+            "the engine's sockets are never open unencrypted beyond this host",
+        )
+        _require(
+            self.curve_keys is None or os.path.isdir(self.curve_keys),
+            f"--curve-keys {self.curve_keys!r} is not a directory (make one with `tandem keys DIR`)",
+        )
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def is_private_address(address: str) -> bool:
+    """``ipc://`` (a file only this user can open), or ``tcp://`` on 127.0.0.1."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS
+
+
+KVTransfer = Literal["shm", "tcp"]
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Worker pools: one unified pool (both counts 0), or a prefill and a decode pool that
+    step apart and hand each request's KV over (``docs/disaggregation.md``)."""
+
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    kv_transfer: KVTransfer = "shm"  # one host, zero-copy; tcp: across hosts
+    kv_transfer_lease_s: float = 30.0  # tcp: a hand-off not landed by then expires
+    kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # or recompute in the decode pool
+    # Prompts whose uncached part is shorter are prefilled in the decode pool (tcp; with
+    # shm only while the prefill pool is busy). 0 = always hand off.
+    disagg_min_prompt_tokens: int = 32
+    worker_threads: int | None = None  # per worker process; None: cores / worker processes
+    # The engine binds these for its pools; a worker by its own command connects to one.
+    external_workers: bool = False  # the engine waits for workers started apart
+    unified_pool_address: str = ""
+    prefill_pool_address: str = ""
+    decode_pool_address: str = ""
+    # A decode worker takes KV over TCP here (port 0: any free one), and tells the engine
+    # to reach it at kv_transfer_host (the bind host when empty).
+    kv_transfer_address: str = "tcp://127.0.0.1:0"
+    kv_transfer_host: str = ""
+    service_id: str = ""  # names the service's shared-memory segments; random when empty
+
+    def __post_init__(self) -> None:
+        _require(
+            self.prefill_workers >= 0 and self.decode_workers >= 0,
+            "--prefill-workers and --decode-workers must not be negative",
+        )
+        _require(
+            (self.prefill_workers == 0) == (self.decode_workers == 0),
+            "split pools need both --prefill-workers and --decode-workers (at least 1 each); "
+            "leave both out for one unified pool",
+        )
+        _require(self.kv_transfer in ("shm", "tcp"), "--kv-transfer must be shm or tcp")
+        _require(
+            self.kv_load_failure_policy in ("fail", "recompute"),
+            "--kv-load-failure-policy must be fail or recompute",
+        )
+        _require(self.kv_transfer_lease_s > 0, "--kv-transfer-lease-s must be positive")
+        _require(
+            self.disagg_min_prompt_tokens >= 0, "--disagg-min-prompt-tokens must not be negative"
+        )
+        _require(
+            self.worker_threads is None or self.worker_threads >= 1,
+            f"--worker-threads must be at least 1, got {self.worker_threads}",
+        )
+        _require(
+            self.kv_transfer_address.startswith("tcp://"),
+            "--kv-transfer-address must be tcp://HOST:PORT",
+        )
+        _require(
+            all(c.isalnum() or c in "-_" for c in self.service_id),
+            "--service-id may hold only letters, digits, - and _",
+        )
+
+    @property
+    def split(self) -> bool:
+        return self.prefill_workers > 0
+
+    def num_workers(self, pool: str) -> int:
+        return {"unified": 1, "prefill": self.prefill_workers, "decode": self.decode_workers}[pool]
+
+    def pools(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.split else ("unified",)
+
+    def threads_per_worker(self) -> int:
+        """``--worker-threads``, else this machine's cores shared by the worker processes."""
+        if self.worker_threads is not None:
+            return self.worker_threads
+        workers = self.prefill_workers + self.decode_workers if self.split else 1
+        return max(1, (os.cpu_count() or 1) // workers)
 
 
 @dataclass(frozen=True)
@@ -201,6 +325,7 @@ class TandemConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     addresses: EngineAddresses = field(default_factory=EngineAddresses)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     @property
     def served_model_name(self) -> str:
@@ -219,13 +344,24 @@ class TandemConfig:
             )
 
         keys = [*(values.get("api_key") or []), *api_keys_from_env()]
+        origins = [o.strip() for arg in values.get("allowed_origins") or [] for o in arg.split(",")]
+        server = {
+            f.name: values[f.name] for f in dataclasses.fields(ServerConfig) if f.name in values
+        }
+        server.update(
+            api_keys=tuple(dict.fromkeys(keys)), allowed_origins=tuple(o for o in origins if o)
+        )
         return TandemConfig(
             model=build(ModelConfig),
             cache=build(CacheConfig),
             scheduler=build(SchedulerConfig),
-            server=dataclasses.replace(build(ServerConfig), api_keys=tuple(dict.fromkeys(keys))),
+            server=ServerConfig(**server),
             addresses=build(EngineAddresses),
+            disagg=build(DisaggConfig),
         )
+
+    def with_disagg(self, **changes: Any) -> TandemConfig:
+        return dataclasses.replace(self, disagg=dataclasses.replace(self.disagg, **changes))
 
     def with_addresses(self, addresses: EngineAddresses) -> TandemConfig:
         return dataclasses.replace(self, addresses=addresses)
@@ -238,13 +374,17 @@ class TandemConfig:
     def to_cli_args(self) -> list[str]:
         """Flags that ``from_cli_args`` turns back into an equal config."""
         argv: list[str] = []
-        for group in (self.model, self.cache, self.scheduler, self.server, self.addresses):
+        groups = (self.model, self.cache, self.scheduler, self.server, self.addresses, self.disagg)
+        for group in groups:
             for f in dataclasses.fields(group):
                 if f.metadata.get("secret"):
                     continue
                 value = getattr(group, f.name)
                 flag = "--" + f.name.replace("_", "-")
-                if isinstance(value, bool):
+                if isinstance(value, tuple):  # repeatable flags
+                    for item in value:
+                        argv += [flag, str(item)]
+                elif isinstance(value, bool):
                     argv.append(flag if value else "--no-" + flag[2:])
                 elif value is not None and value != "":
                     argv += [flag, str(value)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -38,12 +39,20 @@ def make_socket(
     *,
     bind: bool,
     identity: bytes | None = None,
+    max_message_bytes: int | None = None,
+    secure: Callable[[zmq.Socket[Any]], None] | None = None,
 ) -> zmq.Socket[bytes]:
-    """A socket that never drops messages on a full queue and closes without lingering."""
+    """A socket that never drops messages on a full queue and closes without lingering;
+    with ``max_message_bytes``, a peer sending a larger frame is disconnected; ``secure``
+    makes it a CurveZMQ server or client (``common/curve.py``) before it binds/connects."""
     sock = ctx.socket(kind)
+    if secure is not None:
+        secure(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if bind:
@@ -51,6 +60,14 @@ def make_socket(
     else:
         sock.connect(address)
     return sock
+
+
+def max_request_frame_bytes(max_body_bytes: int) -> int:
+    """The largest ``EngineRequest`` frame an API server can produce from a body of at most
+    ``max_body_bytes`` (every token id of a body costs at most 16 bytes on the wire),
+    plus room for the rest; the engine's input socket refuses larger ones
+    (``ZMQ_MAXMSGSIZE``: the sender's connection is dropped)."""
+    return 16 * max_body_bytes + (1 << 20)
 
 
 def make_runtime_dir() -> str:

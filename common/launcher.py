@@ -1,19 +1,25 @@
 """``tandem serve``: start the engine core (which starts its workers) and the API
 server, each by its own command, and supervise them.
 
-Ctrl-C or SIGTERM stops every process and exits 0. If a child dies on its own, the
-others get a grace period (to answer in-flight and new requests with errors), then are
-stopped, and the launcher exits non-zero naming the process that died.
+SIGTERM or Ctrl-C drains: the API server stops taking requests (``/readyz`` 503, new
+requests 503) and lets in-flight ones finish for ``--shutdown-timeout`` seconds, then
+the engine core stops its workers, and the launcher exits 0. A second SIGTERM/Ctrl-C
+stops everything at once. If a child dies on its own, the others get a grace period (to
+answer in-flight and new requests with errors), then are stopped, and the launcher
+exits non-zero with one line naming the process and the cause.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from types import FrameType
 
 from common.config import API_KEYS_ENV, EngineAddresses, TandemConfig
@@ -21,10 +27,11 @@ from common.ipc import make_runtime_dir
 from common.model_files import resolve_model_dir
 from common.process import (
     EXIT_ENGINE_DIED,
+    EXIT_REASON_ENV,
     EXIT_WORKER_DIED,
+    PARENT_DIED,
     small_thread_env,
     start_module,
-    stop_process,
 )
 
 logger = logging.getLogger("tandem")
@@ -33,13 +40,8 @@ _EXIT_MEANING = {
     EXIT_WORKER_DIED: "a worker process died",
     EXIT_ENGINE_DIED: "it lost the engine core",
 }
-
-
-def _describe(name: str, proc: subprocess.Popen[bytes]) -> str:
-    code = proc.returncode
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    meaning = _EXIT_MEANING.get(code)
-    return f"{name} (pid {proc.pid}) {how}" + (f": {meaning}" if meaning else "")
+_POLL_S = 0.1
+_ENGINE_STOP_S = 15.0  # the engine has nothing left to drain once the API servers are gone
 
 
 class _Stop(Exception):
@@ -50,55 +52,133 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
+class _Hurry:
+    """Counts the signals that arrive while draining: any one means stop at once."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.asked:
+            logger.info("%s again: stopping at once", signal.Signals(signum).name)
+        self.asked = True
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before anything starts when the HTTP port cannot be bound."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+class Service:
+    """The launcher's children and how each one ended."""
+
+    def __init__(self, runtime_dir: str) -> None:
+        self.runtime_dir = runtime_dir
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def reason_file(self, name: str) -> str:
+        return os.path.join(self.runtime_dir, f"exit-{name}.txt")
+
+    def start(self, name: str, module: str, args: list[str], env: dict[str, str]) -> None:
+        env = {**env, EXIT_REASON_ENV: self.reason_file(name)}
+        self.children.append((name, start_module(module, args, env=env)))
+
+    def named(self, prefix: str) -> list[subprocess.Popen[bytes]]:
+        return [proc for name, proc in self.children if name.startswith(prefix)]
+
+    def describe(self, name: str, proc: subprocess.Popen[bytes]) -> str:
+        code = proc.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        meaning = _EXIT_MEANING.get(code)
+        if meaning:
+            how += f": {meaning}"
+        try:
+            with open(self.reason_file(name)) as f:
+                cause = f.read().strip()
+        except OSError:
+            cause = ""
+        return f"{name} (pid {proc.pid}) {how}" + (f" ({cause})" if cause else "")
+
+
 def serve(config: TandemConfig) -> int:
     # Resolve (and convert, once) before any child starts, so none of them waits on it.
     served_name = config.served_model_name
     model_dir = resolve_model_dir(config.model.model)
+    check_port_free(config.server.host, config.server.port)
     runtime_dir = make_runtime_dir()
     config = config.with_model_path(str(model_dir), served_name)
     if not config.addresses.input_address:
         config = config.with_addresses(EngineAddresses.ipc_in(runtime_dir))
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    service = Service(runtime_dir)
+    hurry = _Hurry()
     try:
         args = config.to_cli_args()
-        children.append(("engine_core", start_module("engine_core", args, env=small_thread_env())))
+        service.start("engine_core", "engine_core", args, small_thread_env())
         api_env = small_thread_env()
         if config.server.api_keys:  # secrets travel by environment, never on a command line
             api_env[API_KEYS_ENV] = ",".join(config.server.api_keys)
-        children.append(("api_server", start_module("api_server", args, env=api_env)))
+        service.start("api_server", "api_server", args, api_env)
         logger.info(
-            "serving %s on http://%s:%d (engine pid %d, api pid %d)",
+            "serving %s on http://%s:%d (%s)",
             served_name,
             config.server.host,
             config.server.port,
-            children[0][1].pid,
-            children[1][1].pid,
+            ", ".join(f"{name} pid {proc.pid}" for name, proc in service.children),
         )
         while True:
-            for name, proc in children:
+            for name, proc in service.children:
                 if proc.poll() is not None:
-                    return _after_death(name, proc, children, config.server.grace_period_s)
-            time.sleep(0.1)
+                    return _after_death(service, name, proc, config.server.grace_period_s)
+            time.sleep(_POLL_S)
     except _Stop as e:
-        logger.info("stopping (%s)", e)
+        signal.signal(signal.SIGINT, hurry)
+        signal.signal(signal.SIGTERM, hurry)
+        logger.info("stopping (%s): draining for up to %.0f s", e, config.server.shutdown_timeout_s)
+        _drain(service, config.server.shutdown_timeout_s, hurry)
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for _, proc in reversed(children):  # API server first: it stops taking requests
-            stop_process(proc)
+        signal.signal(signal.SIGINT, hurry)
+        signal.signal(signal.SIGTERM, hurry)
+        _stop_now(proc for _, proc in service.children)
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _after_death(
-    name: str,
-    proc: subprocess.Popen[bytes],
-    children: list[tuple[str, subprocess.Popen[bytes]]],
-    grace_s: float,
-) -> int:
-    message = _describe(name, proc)
+def _drain(service: Service, timeout_s: float, hurry: _Hurry) -> None:
+    """API servers first (they finish or fail their requests), then the engine core."""
+    for group, wait_s in (("api_server", timeout_s + 10.0), ("engine_core", _ENGINE_STOP_S)):
+        procs = [p for p in service.named(group) if p.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in procs):
+            if hurry.asked or time.monotonic() > deadline:
+                return  # the finally block stops the rest at once
+            time.sleep(_POLL_S)
+
+
+def _stop_now(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGHUP (stop at once, cleaning up), then SIGKILL whatever is left."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        proc.send_signal(PARENT_DIED)
+    deadline = time.monotonic() + timeout_s
+    for proc in alive:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _after_death(service: Service, name: str, proc: subprocess.Popen[bytes], grace_s: float) -> int:
+    message = service.describe(name, proc)
     logger.error("%s; stopping the service in %.1f s", message, grace_s)
     time.sleep(grace_s)
     print(f"tandem: {message}", file=sys.stderr)

@@ -179,6 +179,10 @@ class SchedulerStats(_Wire):
     # ITERATION_TOKEN_BUCKETS[i] tokens (the last entry counts every step), and their sum.
     iteration_tokens_buckets: list[int] = []
     iteration_tokens_sum: int = 0
+    # Frames the engine's input socket dropped: undecodable ones, and connections cut
+    # for a frame over the size limit (or lost by a peer that went away).
+    num_malformed_frames_total: int = 0
+    num_dropped_connections_total: int = 0
 
 
 ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -199,19 +203,41 @@ class EngineOutputs(_Wire, tag=True):
     stats: SchedulerStats | None = None
 
 
+class KVTransferStats(_Wire):
+    """Hand-offs between the prefill and decode pools, cumulative (split pools only).
+
+    ``outcomes`` counts each hand-off once by how it ended: done, failed, aborted, refused,
+    expired, worker_died; ``local_prefill`` counts requests the router prefilled in the
+    decode pool instead. Durations (start to decode-ready) as a cumulative histogram over
+    ``KV_TRANSFER_BUCKETS_S`` (last entry: every hand-off), with their sum."""
+
+    outcomes: dict[str, int] = {}
+    num_bytes_total: int = 0
+    duration_buckets: list[int] = []
+    duration_sum_s: float = 0.0
+
+
+KV_TRANSFER_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
 class EngineHeartbeat(_Wire, tag=True):
     """Sent to every known client a few times a second: proves the engine alive.
 
-    ``ready`` turns true once every worker has loaded the model and warmed up;
-    ``model`` carries what the workers found (context length, EOS ids, vocabulary);
+    ``ready`` turns true once every worker of every pool has loaded the model and warmed
+    up; ``model`` carries what the workers found (context length, EOS ids, vocabulary);
     ``role`` is this engine's part in the service: ``unified`` (prefill and decode in one
-    pool), or ``prefill`` / ``decode`` when the pools are split.
+    pool) or ``split`` (a prefill and a decode pool); ``pools`` has each pool's figures
+    when split (``stats`` are then the totals), ``kv_transfers`` the hand-offs.
     """
 
     ready: bool
     stats: SchedulerStats
     model: ModelInfo | None = None
     role: str = "unified"
+    pools: dict[str, SchedulerStats] = {}
+    kv_transfers: KVTransferStats | None = None
 
 
 class EngineDead(_Wire, tag=True):
@@ -232,13 +258,56 @@ EngineOutput = EngineOutputs | EngineHeartbeat | EngineDead
 # ---------------------------------------------------------------- engine <-> workers
 
 
+class PoolRole(enum.IntEnum):
+    """What a worker pool does: everything, or one side of a prefill/decode split."""
+
+    UNIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+
+    def __str__(self) -> str:
+        return ("unified", "prefill", "decode")[self.value]
+
+
 class WorkerReady(_Wire, tag=True):
-    """A worker's handshake: values found at run time, never written into configs."""
+    """A worker's handshake: values found at run time, never written into configs.
+    ``kv_address`` is where a decode worker takes KV over TCP (``--kv-transfer tcp``)."""
 
     rank: int
     num_kv_blocks: int
     block_size: int
     model: ModelInfo
+    pool: PoolRole = PoolRole.UNIFIED
+    kv_address: str = ""
+    num_kv_bytes_per_block: int = 0  # all layers, K and V
+
+
+class KVSend(_Wire):
+    """Engine -> prefill worker: copy these blocks out (before this step's forward) and
+    stream them to the decode worker at ``destination`` as transfer ``transfer_id``."""
+
+    transfer_id: str
+    block_ids: list[int]
+    destination: str
+
+
+class KVReceive(_Wire):
+    """Engine -> decode worker: transfer ``transfer_id`` lands in ``block_ids``, each
+    valid only at its ``generations`` entry (a block reallocated since is never written)."""
+
+    transfer_id: str
+    block_ids: list[int]
+    generations: list[int]
+
+
+class KVTransferResult(_Wire):
+    """Worker -> engine: how a transfer ended on this side (the decode side reports
+    landing, the prefill side a failed send)."""
+
+    transfer_id: str
+    ok: bool
+    error: str | None = None
+    num_bytes: int = 0
 
 
 class NewRequestData(_Wire):
@@ -264,13 +333,17 @@ class CachedRequestData(_Wire):
 
 
 class SchedulerOutput(_Wire, tag=True):
-    """One step's work. ``num_scheduled_tokens`` keeps the batch order."""
+    """One step's work. ``num_scheduled_tokens`` keeps the batch order. The KV transfer
+    orders of split pools ride along (``--kv-transfer tcp``)."""
 
     step_id: int
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
     finished_request_ids: list[str]
+    kv_sends: list[KVSend] = []
+    kv_receives: list[KVReceive] = []
+    kv_cancels: list[str] = []  # transfer ids: drop whatever arrives for them
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -284,6 +357,22 @@ class ModelRunnerOutput(_Wire, tag=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids, when any asked
+    kv_copied: list[str] = []  # transfers whose blocks were copied out: free to reuse
+    kv_results: list[KVTransferResult] = []
+
+
+class KVTransferStatus(_Wire, tag=True):
+    """Worker -> engine between steps: transfers that ended while the worker was idle."""
+
+    rank: int
+    results: list[KVTransferResult]
+
+
+class WorkerHeartbeat(_Wire, tag=True):
+    """A worker started by its own command proves itself alive to an engine that did
+    not start it (``--external-workers``), from a thread beside its step loop."""
+
+    rank: int
 
 
 class WorkerFailed(_Wire, tag=True):
@@ -298,4 +387,4 @@ class Shutdown(_Wire, tag=True):
 
 
 WorkerInput = SchedulerOutput | Shutdown
-WorkerMessage = WorkerReady | ModelRunnerOutput | WorkerFailed
+WorkerMessage = WorkerReady | ModelRunnerOutput | WorkerFailed | KVTransferStatus | WorkerHeartbeat

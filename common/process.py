@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -9,27 +10,57 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "TANDEM_PARENT_PID"  # set by start_module: the pid of the Tandem parent
+EXIT_REASON_ENV = "TANDEM_EXIT_REASON_FILE"  # where a dying process leaves its one-line cause
+
+# Signals, one meaning each: SIGTERM (and SIGINT) drain then stop, a second one stops at
+# once; SIGHUP, sent by the kernel when a Tandem parent dies, stops at once.
+PARENT_DIED = signal.SIGHUP
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent exits, so a killed
-    launcher or engine never leaves orphans behind. A no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
+def die_with_parent() -> None:
+    """Ask Linux to send ``PARENT_DIED`` (SIGHUP) to this process when the Tandem process
+    that started it exits, so a killed launcher or engine never leaves orphans. Only for
+    processes started by ``start_module`` (their parent's pid is in the environment): one
+    started by a container's init (tini, catatonit) or by hand is left alone."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected is None or not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0)
     except OSError:
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
+    if str(os.getppid()) != expected:  # the parent died before prctl took effect
+        os.kill(os.getpid(), PARENT_DIED)
+
+
+def release_free_memory() -> None:
+    """``malloc_trim(0)``: return the C heap's free pages to the OS. Tensors of ever new
+    shapes leave glibc's heap fragmented, so a busy worker's RSS creeps up; trimming when
+    idle gives the pages back. A no-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def start_module(
     module: str, args: list[str], env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """``python -m module args``: the same command a container would run."""
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
+    child_env = dict(os.environ if env is None else env)
+    child_env[PARENT_PID_ENV] = str(os.getpid())
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], env=child_env, start_new_session=True
+    )
+
+
+def record_exit_reason(reason: str) -> None:
+    """Leave the one line that says why this process is exiting where the launcher reads
+    it (``TANDEM_EXIT_REASON_FILE``); nothing when run on its own."""
+    path = os.environ.get(EXIT_REASON_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(reason.strip().splitlines()[0] if reason.strip() else reason)
 
 
 _SMALL_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}

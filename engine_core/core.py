@@ -1,204 +1,318 @@
-"""The engine core process: a step loop with an input thread and an output thread.
+"""``EngineCore``: the scheduling of one service, without sockets or threads.
 
-Input thread: PULL socket -> decoded ``EngineInput`` -> ``_inputs`` queue.
-Step loop (main thread): apply inputs, ``schedule`` -> ``execute`` -> ``update``.
-Output thread: ``_outputs`` queue -> ROUTER socket, to the API server owning each
-request; plus a heartbeat with fresh stats to every client five times a second.
-The step loop never touches a socket, so a slow client never stalls a step.
+It owns a scheduler per worker pool (``unified``, or ``prefill`` + ``decode``), their
+KV managers (one shared by both pools with ``--kv-transfer shm``, one each with ``tcp``),
+the hand-offs between pools (``handoff.py``) and the router that picks a pool for each
+new prompt (``router.py``). ``step()`` is submit-then-poll: every idle pool gets its next
+batch, then every pool is polled without waiting, so each keeps a batch in flight and a
+long prefill step never holds back the decode pool's steps. Tests drive it in-process
+with fake pools; ``proc.py`` runs it behind the engine's sockets.
+
+    outputs = core.step()        # submit to idle pools, poll all, hand off, route outputs
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
-import zmq
 
 from common.config import TandemConfig
-from common.ipc import Codec, make_socket
 from common.messages import (
-    AbortRequests,
-    ClientHello,
-    EngineDead,
-    EngineHeartbeat,
-    EngineInput,
-    EngineOutputs,
     EngineRequest,
+    ErrorKind,
+    FinishReason,
+    KVTransferStats,
     ModelInfo,
-    ResetPrefixCache,
+    PoolRole,
+    RequestOutput,
+    SchedulerOutput,
     SchedulerStats,
+    WorkerReady,
 )
-from engine_core.executor import WorkerDied, WorkerPool
+from engine_core.executor import PoolEvents
+from engine_core.handoff import Handoff, SharedMemoryHandoff, TcpHandoff, merge
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request
+from engine_core.request_checks import request_error
+from engine_core.router import Router
 from engine_core.scheduler import ClientOutputs, Scheduler
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 0.2
-_IDLE_WAIT_S = 0.1
-_FORMING_WAIT_S = 0.005
+
+class Pool(Protocol):
+    """A pool of workers as the engine drives it (``executor.WorkerPool``, or a fake)."""
+
+    role: PoolRole
+
+    @property
+    def busy(self) -> bool: ...
+
+    def wait_ready(self) -> WorkerReady: ...
+
+    def submit(self, step: SchedulerOutput) -> None: ...
+
+    def poll(self) -> PoolEvents: ...
+
+    def check_alive(self) -> None: ...
+
+
+@dataclass
+class Slot:
+    """A pool with its scheduler and the step it is running."""
+
+    pool: Pool
+    scheduler: Scheduler
+    in_flight: SchedulerOutput | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.pool.role)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: ClientOutputs
+    progressed: bool  # a step was submitted or completed
 
 
 class EngineCore:
-    def __init__(self, config: TandemConfig, runtime_dir: str) -> None:
+    def __init__(
+        self,
+        config: TandemConfig,
+        pools: Mapping[str, Pool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
-        self._inputs: queue.Queue[EngineInput] = queue.Queue()
-        self._outputs: queue.Queue[tuple[bytes, EngineOutputs | EngineDead]] = queue.Queue()
-        self._stop = threading.Event()
-        self._ready = False
-        self._model: ModelInfo | None = None
-        self._stats = SchedulerStats()
-        self.num_malformed_frames = 0
-        self._ctx = zmq.Context()
-        # Bind before the workers load so API servers can connect (and see "loading").
-        input_sock = make_socket(self._ctx, zmq.PULL, config.addresses.input_address, bind=True)
-        output_sock = make_socket(self._ctx, zmq.ROUTER, config.addresses.output_address, bind=True)
-        self._threads = [
-            threading.Thread(
-                target=self._input_loop, args=(input_sock,), name="engine-input", daemon=True
-            ),
-            threading.Thread(
-                target=self._output_loop, args=(output_sock,), name="engine-output", daemon=True
-            ),
+        self.pools = dict(pools)
+        self._clock = clock
+        self.slots: dict[str, Slot] = {}
+        self.handoff: Handoff | None = None
+        self.router: Router | None = None
+        self.model: ModelInfo | None = None
+
+    @property
+    def split(self) -> bool:
+        return self.config.disagg.split
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.slots)
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Wait for every pool's workers, then size the KV managers from what they found."""
+        readies = {name: pool.wait_ready() for name, pool in self.pools.items()}
+        first = next(iter(readies.values()))
+        self.model = first.model
+        config = self.config.scheduler
+        caching = config.enable_prefix_caching
+        if not self.split:
+            kv = KVCacheManager(first.num_kv_blocks, first.block_size, caching)
+            self.slots["unified"] = Slot(
+                self.pools["unified"], Scheduler(config, kv, first.model, self._clock)
+            )
+            return
+        shared = self.config.disagg.kv_transfer == "shm"
+        sizes = {name: ready.num_kv_blocks for name, ready in readies.items()}
+        if shared and len(set(sizes.values())) != 1:
+            raise RuntimeError(f"the pools map KV segments of different sizes: {sizes}")
+        prefill_kv = KVCacheManager(sizes["prefill"], first.block_size, caching)
+        decode_kv = (
+            prefill_kv if shared else KVCacheManager(sizes["decode"], first.block_size, caching)
+        )
+        prefill = Scheduler(config, prefill_kv, first.model, self._clock, hands_off=True)
+        decode = Scheduler(config, decode_kv, first.model, self._clock)
+        self.slots = {
+            "prefill": Slot(self.pools["prefill"], prefill),
+            "decode": Slot(self.pools["decode"], decode),
+        }
+        self.router = Router(prefill, decode, self.config.disagg)
+        if shared:
+            self.handoff = SharedMemoryHandoff(decode, self._clock)
+        else:
+            self.handoff = TcpHandoff(
+                prefill_kv,
+                decode,
+                readies["decode"].kv_address,
+                self.config.disagg.kv_transfer_lease_s,
+                self.config.disagg.kv_load_failure_policy,
+                readies["decode"].num_kv_bytes_per_block,
+                self._clock,
+            )
+
+    # ------------------------------------------------------------------ inputs
+
+    def add_request(self, message: EngineRequest) -> ClientOutputs:
+        """Queue a request in the pool that should prefill it; an output only if refused."""
+        assert self.model is not None, "start() first"
+        invalid = request_error(message, self.model)
+        if invalid is not None:
+            logger.warning("[%s] refused: %s", message.request_id, invalid)
+            refusal = RequestOutput(
+                message.request_id, [], FinishReason.ERROR, invalid, ErrorKind.INVALID
+            )
+            return {message.client_id: [refusal]}
+        if self._locate(message.request_id) is not None:
+            refusal = RequestOutput(
+                message.request_id,
+                [],
+                FinishReason.ERROR,
+                f"request id {message.request_id} is already in use",
+                ErrorKind.INVALID,
+            )
+            return {message.client_id: [refusal]}
+        request = Request.from_engine_request(message)
+        target = self._first_scheduler()
+        if self.router is not None and self.router.prefill_locally(request):
+            target = self.router.decode
+            assert self.handoff is not None
+            self.handoff.stats.ended("local_prefill")
+        error = target.add_request(request)
+        return {} if error is None else {message.client_id: [error]}
+
+    def _first_scheduler(self) -> Scheduler:
+        return self.slots["prefill" if self.split else "unified"].scheduler
+
+    def _locate(self, request_id: str) -> Scheduler | Handoff | None:
+        for slot in self.slots.values():
+            if request_id in slot.scheduler.requests:
+                return slot.scheduler
+        if self.handoff is not None and request_id in self.handoff.in_flight:
+            return self.handoff
+        return None
+
+    def abort(self, request_ids: list[str]) -> ClientOutputs:
+        """Finish these requests with ABORT wherever they are; unknown ids are ignored."""
+        out: ClientOutputs = {}
+        for request_id in request_ids:
+            where = self._locate(request_id)
+            if isinstance(where, Scheduler):
+                merge(out, where.abort_requests([request_id]))
+            elif where is not None:
+                merge(out, where.abort(request_id) or {})
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        for kv in {id(s.scheduler.kv): s.scheduler.kv for s in self.slots.values()}.values():
+            kv.reset_prefix_cache()
+        logger.info("prefix cache reset")
+
+    # ------------------------------------------------------------------ the step
+
+    def has_work(self) -> bool:
+        busy = any(
+            slot.in_flight is not None or slot.scheduler.has_work() for slot in self.slots.values()
+        )
+        between = self.handoff is not None and (self.handoff.in_flight or self.handoff.has_orders())
+        return busy or bool(between)
+
+    def step(self) -> StepResult:
+        """Submit each idle pool's next batch, then poll every pool without waiting."""
+        out: ClientOutputs = {}
+        progressed = False
+        if self.handoff is not None:
+            merge(out, self.handoff.tick())
+        for slot in self.slots.values():
+            if slot.in_flight is None:
+                progressed |= self._submit(slot)
+        for slot in self.slots.values():
+            events = slot.pool.poll()
+            for result in events.transfers:
+                assert self.handoff is not None
+                merge(out, self.handoff.on_result(slot.name, result))
+            if events.result is not None:
+                progressed = True
+                merge(out, self._finish_step(slot, events))
+        return StepResult(out, progressed)
+
+    def _submit(self, slot: Slot) -> bool:
+        orders = self.handoff.take_orders(slot.name) if self.handoff is not None else None
+        if not slot.scheduler.has_work() and not orders:
+            return False
+        work = slot.scheduler.schedule()
+        if orders:
+            work = msgspec.structs.replace(
+                work, kv_sends=orders.sends, kv_receives=orders.receives, kv_cancels=orders.cancels
+            )
+        elif not work.num_scheduled_tokens and not work.finished_request_ids:
+            return False  # nothing could run (a static batch still forming)
+        slot.pool.submit(work)
+        slot.in_flight = work
+        return True
+
+    def _finish_step(self, slot: Slot, events: PoolEvents) -> ClientOutputs:
+        assert events.result is not None and slot.in_flight is not None
+        work, slot.in_flight = slot.in_flight, None
+        out = slot.scheduler.update_from_output(work, events.result)
+        if self.handoff is not None:
+            merge(out, self.handoff.on_step_done(slot.name, events.result))
+            for request in slot.scheduler.take_handoffs():
+                merge(out, self.handoff.start(request))
+        return out
+
+    def check_alive(self) -> None:
+        for pool in self.pools.values():
+            pool.check_alive()
+
+    def fail_all(self, reason: str, outcome: str = "worker_died") -> ClientOutputs:
+        """End every request with an error (the engine is going down)."""
+        out: ClientOutputs = {}
+        if self.handoff is not None:
+            merge(out, self.handoff.fail_all(reason, outcome))
+        for slot in self.slots.values():
+            merge(out, slot.scheduler.fail_all(reason))
+        return out
+
+    @property
+    def num_requests(self) -> int:
+        in_between = len(self.handoff.in_flight) if self.handoff is not None else 0
+        return in_between + sum(len(s.scheduler.requests) for s in self.slots.values())
+
+    # ------------------------------------------------------------------ figures
+
+    def pool_stats(self) -> dict[str, SchedulerStats]:
+        return {name: slot.scheduler.stats() for name, slot in self.slots.items()}
+
+    def stats(self) -> SchedulerStats:
+        """Totals over the pools; a KV manager shared by both counts once."""
+        per_pool = self.pool_stats()
+        if not per_pool:
+            return SchedulerStats()
+        if len(per_pool) == 1:
+            return next(iter(per_pool.values()))
+        stats = list(per_pool.values())
+        total = SchedulerStats()
+        for field in (
+            "num_running",
+            "num_waiting",
+            "num_tokens_scheduled",
+            "num_requests_total",
+            "num_generated_tokens_total",
+            "num_preemptions_total",
+            "num_prompt_tokens_total",
+            "iteration_tokens_sum",
+        ):
+            setattr(total, field, sum(getattr(s, field) for s in stats))
+        total.iteration_tokens_buckets = [
+            sum(c) for c in zip(*(s.iteration_tokens_buckets for s in stats), strict=True)
         ]
-        for thread in self._threads:
-            thread.start()
-        self.pool = WorkerPool("unified", config, runtime_dir)
-        self.scheduler: Scheduler | None = None
-
-    # ------------------------------------------------------------------ step loop
-
-    def run(self) -> None:
-        """Serve until ``stop()``. Raises ``WorkerDied`` when a worker dies."""
-        ready = self.pool.wait_ready()
-        kv = KVCacheManager(
-            ready.num_kv_blocks, ready.block_size, self.config.scheduler.enable_prefix_caching
+        managers = {id(slot.scheduler.kv): slot.scheduler.kv for slot in self.slots.values()}
+        total.num_kv_blocks_total = sum(kv.num_blocks for kv in managers.values())
+        total.num_kv_blocks_in_use = sum(kv.num_used_blocks for kv in managers.values())
+        total.prefix_cache_queries_total = sum(kv.prefix_queries for kv in managers.values())
+        total.prefix_cache_hits_total = sum(kv.prefix_hits for kv in managers.values())
+        # A hand-off enters the decode pool without being a new request there.
+        total.num_requests_total = (
+            per_pool["prefill"].num_requests_total + per_pool["decode"].num_requests_total
         )
-        self.scheduler = Scheduler(self.config.scheduler, kv, ready.model)
-        self._model = ready.model
-        self._stats = self.scheduler.stats()
-        self._ready = True
-        logger.info(
-            "engine ready: %d KV blocks of %d tokens", ready.num_kv_blocks, ready.block_size
-        )
-        while not self._stop.is_set():
-            self._apply_inputs(block=not self.scheduler.has_work())
-            if self.scheduler.has_work():
-                self.step()
-            else:
-                self.pool.check_alive()
+        return total
 
-    def step(self) -> None:
-        assert self.scheduler is not None  # set in run()
-        work = self.scheduler.schedule()
-        self._stats = self.scheduler.stats()  # heartbeats show this step's batch while it runs
-        if not work.num_scheduled_tokens and not work.finished_request_ids:
-            # Nothing could run (a static batch still forming): wait for input a moment.
-            self._apply_inputs(block=True, timeout_s=_FORMING_WAIT_S)
-            return
-        result = self.pool.execute(work)
-        self._emit(self.scheduler.update_from_output(work, result))
-
-    def _apply_inputs(self, block: bool, timeout_s: float = _IDLE_WAIT_S) -> None:
-        assert self.scheduler is not None
-        try:
-            message = self._inputs.get(timeout=timeout_s) if block else self._inputs.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if isinstance(message, EngineRequest):
-                logger.debug(
-                    "[%s] received, %d prompt tokens",
-                    message.request_id,
-                    len(message.prompt_token_ids),
-                )
-                error = self.scheduler.add_request(Request.from_engine_request(message))
-                if error is not None:
-                    self._emit({message.client_id: [error]})
-            elif isinstance(message, AbortRequests):
-                self._emit(self.scheduler.abort_requests(message.request_ids))
-            elif isinstance(message, ResetPrefixCache):
-                self.scheduler.reset_prefix_cache()
-            try:
-                message = self._inputs.get_nowait()
-            except queue.Empty:
-                return
-
-    def _emit(self, outputs: ClientOutputs) -> None:
-        assert self.scheduler is not None
-        self._stats = stats = self.scheduler.stats()
-        for client_id, request_outputs in outputs.items():
-            self._outputs.put((client_id, EngineOutputs(request_outputs, stats)))
-
-    def fail(self, reason: str) -> None:
-        """End every request with an error and tell every client the engine is dead."""
-        if self.scheduler is not None:
-            self._emit(self.scheduler.fail_all(reason))
-        self._outputs.put((b"", EngineDead(reason)))
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def shutdown(self, flush_timeout_s: float = 1.0) -> None:
-        """Flush queued outputs, stop the threads and the workers."""
-        deadline = time.monotonic() + flush_timeout_s
-        while not self._outputs.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=1.0)
-        self.pool.shutdown()
-        self._ctx.term()
-
-    # ------------------------------------------------------------------ I/O threads
-
-    def _input_loop(self, sock: zmq.Socket[bytes]) -> None:
-        codec: Codec[EngineInput] = Codec(EngineInput)
-        while not self._stop.is_set():
-            if not sock.poll(100):
-                continue
-            frame = sock.recv()
-            try:
-                self._inputs.put(codec.decode(frame))
-            except msgspec.DecodeError as e:
-                self.num_malformed_frames += 1
-                logger.warning(
-                    "dropped a malformed input frame (%d so far): %s", self.num_malformed_frames, e
-                )
-        sock.close()
-
-    def _output_loop(self, sock: zmq.Socket[bytes]) -> None:
-        # Decodes the only frame clients send here (hellos); encodes any output.
-        codec: Codec[ClientHello] = Codec(ClientHello)
-        clients: set[bytes] = set()
-        next_heartbeat = 0.0
-        while not self._stop.is_set():
-            while sock.poll(0):  # hellos from API servers that just connected
-                identity, frame = sock.recv_multipart()
-                try:
-                    codec.decode(frame)
-                    clients.add(identity)
-                except msgspec.DecodeError:
-                    self.num_malformed_frames += 1
-            try:
-                client_id, message = self._outputs.get(timeout=0.02)
-                frame = codec.encode(message)
-                targets = clients if isinstance(message, EngineDead) else {client_id}
-                for target in targets:
-                    sock.send_multipart([target, frame])
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            if now >= next_heartbeat:
-                beat = codec.encode(EngineHeartbeat(self._ready, self._stats, self._model))
-                for target in clients:
-                    sock.send_multipart([target, beat])
-                next_heartbeat = now + HEARTBEAT_INTERVAL_S
-        sock.close()
-
-
-__all__ = ["EngineCore", "WorkerDied"]
+    def transfer_stats(self) -> KVTransferStats | None:
+        return None if self.handoff is None else self.handoff.stats.snapshot()

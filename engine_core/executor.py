@@ -1,9 +1,16 @@
-"""Worker pools: start worker processes, broadcast each step, gather the result.
+"""Worker pools: the engine's side of its workers' sockets.
 
-The engine core addresses workers only through a ``WorkerPool`` (today one pool,
-``unified``; split prefill/decode pools plug in beside it). Each pool binds one ROUTER
-socket; worker ``r`` connects with identity ``worker-<r>``. A dead or failed worker
-raises ``WorkerDied`` naming it, within ``_POLL_S`` of its death.
+A ``WorkerPool`` binds one ROUTER socket; its worker ``r`` connects with identity
+``worker-<r>`` (and, from a thread beside its step loop, ``heartbeat-<r>``). The engine
+``submit``s a step to every worker of the pool and ``poll``s without blocking; rank 0's
+answer is the step's result once every rank has answered, so a pool keeps one batch in
+flight and never makes the engine wait for it. Between steps a decode worker may report
+KV transfers that landed (``KVTransferStatus``).
+
+Workers are started by the pool (``python -m worker --pool P --rank R --worker-address
+A``, the same command a container runs) or, with ``--external-workers``, started apart
+and found when they connect. A dead worker raises ``WorkerDied`` naming it: noticed by
+its process exiting, or (external) by its heartbeat stopping for ``HEARTBEAT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -12,16 +19,21 @@ import contextlib
 import logging
 import subprocess
 import time
+from dataclasses import dataclass, field
 
 import zmq
 
 from common.config import TandemConfig
 from common.ipc import Codec, ipc_address, make_socket
 from common.messages import (
+    KVTransferResult,
+    KVTransferStatus,
     ModelRunnerOutput,
+    PoolRole,
     SchedulerOutput,
     Shutdown,
     WorkerFailed,
+    WorkerHeartbeat,
     WorkerMessage,
     WorkerReady,
 )
@@ -29,75 +41,154 @@ from common.process import start_module, stop_process, worker_env
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.1
+POLL_S = 0.1
+HEARTBEAT_TIMEOUT_S = 3.0
 
 
 class WorkerDied(RuntimeError):
     """A worker process exited or reported a failure; the message names it."""
 
 
+@dataclass
+class PoolEvents:
+    """What one ``poll`` found: the in-flight step's result, if it is complete, and KV
+    transfers that ended on this pool's side."""
+
+    result: ModelRunnerOutput | None = None
+    transfers: list[KVTransferResult] = field(default_factory=list)
+
+
 class WorkerPool:
     def __init__(
-        self, name: str, config: TandemConfig, runtime_dir: str, num_workers: int = 1
+        self, role: PoolRole, config: TandemConfig, runtime_dir: str, num_workers: int = 1
     ) -> None:
-        self.name = name
+        self.role = role
+        self.name = str(role)
         self._ctx = zmq.Context()
-        self._address = ipc_address(runtime_dir, f"pool-{name}")
-        self._sock = make_socket(self._ctx, zmq.ROUTER, self._address, bind=True)
+        configured = getattr(config.disagg, f"{self.name}_pool_address")
+        self.address = configured or ipc_address(runtime_dir, f"pool-{self.name}")
+        self._sock = make_socket(self._ctx, zmq.ROUTER, self.address, bind=True)
         self._codec: Codec[WorkerMessage] = Codec(WorkerMessage)
+        self._identities = [f"worker-{rank}".encode() for rank in range(num_workers)]
         self._procs: dict[bytes, subprocess.Popen[bytes]] = {}
-        for rank in range(num_workers):
-            args = [*config.to_cli_args(), "--rank", str(rank), "--worker-address", self._address]
-            proc = start_module("worker", args, env=worker_env())
-            self._procs[f"worker-{rank}".encode()] = proc
-            logger.info("pool %s: started worker-%d (pid %d)", name, rank, proc.pid)
+        self._external = config.disagg.external_workers
+        self._heard: dict[int, float] = {}
+        self._results: dict[bytes, ModelRunnerOutput] = {}
+        self._in_flight: SchedulerOutput | None = None
+        if self._external:
+            logger.info(
+                "pool %s: waiting for %d worker(s) at %s", self.name, num_workers, self.address
+            )
+            return
+        env = worker_env()
+        for rank, identity in enumerate(self._identities):
+            args = [
+                *config.to_cli_args(),
+                "--pool",
+                self.name,
+                "--rank",
+                str(rank),
+                "--worker-address",
+                self.address,
+            ]
+            proc = start_module("worker", args, env=env)
+            self._procs[identity] = proc
+            logger.info("pool %s: started worker-%d (pid %d)", self.name, rank, proc.pid)
+
+    @property
+    def sock(self) -> zmq.Socket[bytes]:
+        """For the engine's poller: readable when a worker has sent something."""
+        return self._sock
+
+    @property
+    def busy(self) -> bool:
+        return self._in_flight is not None
 
     def wait_ready(self) -> WorkerReady:
         """Block until every worker has loaded and warmed up; returns the handshake of
         the worker with the fewest KV blocks (the pool can use no more)."""
         readies: dict[bytes, WorkerReady] = {}
-        while len(readies) < len(self._procs):
-            identity, message = self._recv()
-            if not isinstance(message, WorkerReady):
+        while len(readies) < len(self._identities):
+            identity, message = self._recv(block=True)
+            if isinstance(message, WorkerHeartbeat):
+                continue
+            if not isinstance(message, WorkerReady) or identity not in self._identities:
                 raise WorkerDied(
-                    f"{identity.decode()} sent {type(message).__name__} before it was ready"
+                    f"{self._who(identity)} sent {type(message).__name__} before it was ready"
+                )
+            if message.pool != self.role:
+                raise WorkerDied(
+                    f"{self._who(identity)} is a {message.pool} worker but connected to the "
+                    f"{self.name} pool's address"
                 )
             readies[identity] = message
         return min(readies.values(), key=lambda r: r.num_kv_blocks)
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every worker; rank 0's answer is the result."""
+    def submit(self, step: SchedulerOutput) -> None:
+        """Send the step to every worker; its result comes from ``poll``."""
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"pool {self.name} already has step {self._in_flight.step_id} in flight"
+            )
         frame = self._codec.encode(step)
-        for identity in self._procs:
+        for identity in self._identities:
             self._sock.send_multipart([identity, frame])
-        results: dict[bytes, ModelRunnerOutput] = {}
-        while len(results) < len(self._procs):
-            identity, message = self._recv()
-            if not isinstance(message, ModelRunnerOutput):
-                raise WorkerDied(f"{identity.decode()} sent {type(message).__name__} during a step")
-            results[identity] = message
-        return results[b"worker-0"]
+        self._in_flight = step
+        self._results.clear()
+
+    def poll(self) -> PoolEvents:
+        """Everything the workers sent since the last poll, without waiting."""
+        events = PoolEvents()
+        while self._sock.poll(0):
+            identity, message = self._recv(block=False)
+            if isinstance(message, ModelRunnerOutput):
+                if self._in_flight is None or message.step_id != self._in_flight.step_id:
+                    raise WorkerDied(f"{self._who(identity)} answered a step it was not given")
+                self._results[identity] = message
+            elif isinstance(message, KVTransferStatus):
+                events.transfers += message.results
+            elif not isinstance(message, WorkerHeartbeat):
+                raise WorkerDied(f"{self._who(identity)} sent {type(message).__name__} mid-run")
+        if self._in_flight is not None and len(self._results) == len(self._identities):
+            events.result = self._results[self._identities[0]]
+            events.transfers += events.result.kv_results
+            self._in_flight = None
+        return events
 
     def check_alive(self) -> None:
         for identity, proc in self._procs.items():
             code = proc.poll()
             if code is not None:
                 raise WorkerDied(
-                    f"{identity.decode()} (pid {proc.pid}) died: {_describe_exit(code)}"
+                    f"{self._who(identity)} (pid {proc.pid}) died: {_describe_exit(code)}"
                 )
+        if self._external:
+            now = time.monotonic()
+            for rank, last in self._heard.items():
+                if now - last > HEARTBEAT_TIMEOUT_S:
+                    raise WorkerDied(
+                        f"{self.name} worker-{rank} stopped answering (no heartbeat for "
+                        f"{HEARTBEAT_TIMEOUT_S:.0f} s)"
+                    )
 
-    def _recv(self) -> tuple[bytes, WorkerMessage]:
-        while not self._sock.poll(int(_POLL_S * 1000)):
+    def _who(self, identity: bytes) -> str:
+        name = identity.decode(errors="replace")
+        return name if self.role == PoolRole.UNIFIED else f"{self.name} {name}"
+
+    def _recv(self, block: bool) -> tuple[bytes, WorkerMessage]:
+        while block and not self._sock.poll(int(POLL_S * 1000)):
             self.check_alive()
         identity, frame = self._sock.recv_multipart()
         message = self._codec.decode(frame)
+        if isinstance(message, WorkerHeartbeat):
+            self._heard[message.rank] = time.monotonic()
         if isinstance(message, WorkerFailed):
-            raise WorkerDied(f"{identity.decode()} failed: {message.error}")
+            raise WorkerDied(f"{self._who(identity)} failed: {message.error}")
         return identity, message
 
     def shutdown(self) -> None:
-        for identity, proc in self._procs.items():
-            if proc.poll() is None:
+        for identity in self._identities:
+            if identity not in self._procs or self._procs[identity].poll() is None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._sock.send_multipart(
                         [identity, self._codec.encode(Shutdown())], zmq.NOBLOCK

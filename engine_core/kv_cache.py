@@ -58,6 +58,9 @@ class KVCacheManager:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached_blocks: dict[BlockHash, int] = {}
         self.req_to_blocks: dict[str, list[int]] = {}
+        # Bumped each time a block is taken for new content, so a reference held from
+        # before (a KV transfer that outlived its request) is seen to be stale.
+        self.generations = [0] * num_blocks
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already cached
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -79,6 +82,13 @@ class KVCacheManager:
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
+
+    def generations_of(self, block_ids: Sequence[int]) -> list[int]:
+        return [self.generations[b] for b in block_ids]
+
+    def is_current(self, block_ids: Sequence[int], generations: Sequence[int]) -> bool:
+        """Whether every block still holds the content it held at these generations."""
+        return all(self.generations[b] == g for b, g in zip(block_ids, generations, strict=True))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -144,6 +154,7 @@ class KVCacheManager:
             block, _ = self.free_queue.popitem(last=False)
             self._forget_hash(block)  # evicted from the prefix cache
             self.ref_counts[block] = 1
+            self.generations[block] += 1
             new_blocks.append(block)
         blocks.extend(new_blocks)
         return new_blocks

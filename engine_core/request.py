@@ -12,6 +12,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    HANDED_OFF = 4  # between pools: its prompt done in one, not yet decoding in the other
 
 
 class Request:
@@ -46,6 +47,7 @@ class Request:
         self.received_time: float | None = None
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.handoff_started: float | None = None  # split pools: when the prompt was done
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:
@@ -56,6 +58,7 @@ class Request:
             r.sampling_params,
             r.arrival_time,
             r.priority,
+            r.cache_salt,
         )
 
     @property

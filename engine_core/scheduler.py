@@ -9,12 +9,19 @@ reused. When KV blocks run out, the least urgent running request (largest priori
 value, then latest arrival) is preempted: its blocks are freed and it is recomputed
 later. ``--batching static`` keeps the old way for comparison: a batch forms, runs to
 completion, and nothing joins it meanwhile.
+
+Split pools use two schedulers. The prefill pool's (``hands_off``) lets a request go
+once its prompt is computed and its first token sampled: ``take_handoffs`` hands it to
+the engine with its KV blocks still allocated. The decode pool's takes such a request
+with ``accept`` (its KV already in place) and decodes it; it also prefills the short
+prompts the router sends it directly, and recomputes what it preempts.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from common.config import SchedulerConfig
@@ -47,12 +54,20 @@ class Scheduler:
         kv: KVCacheManager,
         model: ModelInfo,
         clock: Callable[[], float] = time.monotonic,
+        hands_off: bool = False,
     ) -> None:
         self.config = config
         self.kv = kv
         self.model = model
         self._clock = clock
+        self.hands_off = hands_off
         self.requests: dict[str, Request] = {}
+        self.incoming: deque[Request] = deque()  # accepted hand-offs, KV in place
+        self._handoffs: list[Request] = []
+        # Requests of the step the workers are running, and the blocks of those that
+        # ended meanwhile: freed only once the step is done writing into them.
+        self._in_flight: set[str] = set()
+        self._free_after_step: list[str] = []
         self.waiting: RequestQueue = (
             PriorityQueue(config.priority_aging_s)
             if config.scheduling_policy == "priority"
@@ -114,8 +129,42 @@ class Scheduler:
             )
         return None
 
+    def accept(self, request: Request) -> None:
+        """Take over a request whose prompt another pool computed: its KV blocks are
+        allocated here under its id and hold ``request.num_computed_tokens`` tokens. It
+        runs once ``max_num_seqs`` allows, ahead of new prompts."""
+        request.status = RequestStatus.WAITING
+        request.sent_to_workers = False
+        self.requests[request.request_id] = request
+        self.incoming.append(request)
+
+    def recompute(self, request: Request) -> None:
+        """Take over a request whose KV never arrived: prefill it (prompt and the tokens
+        generated so far) again here, as after a preemption."""
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.sent_to_workers = False
+        self.requests[request.request_id] = request
+        self.waiting.readd_preempted(request)
+
+    def take_handoffs(self) -> list[Request]:
+        """Requests whose prompt is done in this (prefill) pool, to hand over; they have
+        left this scheduler but keep their KV blocks."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    @property
+    def step_budget(self) -> int:
+        return self._step_budget
+
+    def num_pending_prompt_tokens(self) -> int:
+        """Tokens still to compute for requests waiting or running here."""
+        return sum(r.num_tokens_to_compute for r in (*self.waiting, *self.running))
+
     def has_work(self) -> bool:
-        return bool(len(self.waiting) or self.running or self._finished_for_workers)
+        return bool(
+            len(self.waiting) or self.running or self.incoming or self._finished_for_workers
+        )
 
     # ------------------------------------------------------------------ schedule
 
@@ -123,7 +172,12 @@ class Scheduler:
         budget = self._step_budget
         num_scheduled: dict[str, int] = {}
         cached_data: list[CachedRequestData] = []
+        new_data: list[NewRequestData] = []
         preempted = False
+        while self.incoming and len(self.running) < self.config.max_num_seqs:
+            request = self.incoming.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
         # Most urgent first, so preemption victims (taken from the end) are never
         # requests already scheduled in this step.
@@ -141,19 +195,23 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break  # the request itself was the least urgent one left
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
-            cached_data.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-            )
+            if request.sent_to_workers:
+                cached_data.append(
+                    CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+                )
+            else:  # accepted from another pool: this pool's workers see it first now
+                new_data.append(self._new_request_data(request))
+                request.sent_to_workers = True
             num_scheduled[request.request_id] = n
             budget -= n
             i += 1
 
-        new_data: list[NewRequestData] = []
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_data)
 
         finished, self._finished_for_workers = self._finished_for_workers, []
         self._step_id += 1
+        self._in_flight = set(num_scheduled)
         self._last_num_scheduled = self._step_budget - budget
         if self._last_num_scheduled:
             self.iteration_tokens.observe(self._last_num_scheduled)
@@ -192,19 +250,20 @@ class Scheduler:
                 request.scheduled_time = self._clock()
             self.running.append(request)
             self._static_quota = max(0, self._static_quota - 1)
-            new_data.append(
-                NewRequestData(
-                    request.request_id,
-                    list(request.token_ids),
-                    request.sampling_params,
-                    list(self.kv.blocks_of(request.request_id)),
-                    request.num_computed_tokens,
-                    request.num_prompt_tokens,
-                )
-            )
+            new_data.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
         return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request.request_id,
+            list(request.token_ids),
+            request.sampling_params,
+            list(self.kv.blocks_of(request.request_id)),
+            request.num_computed_tokens,
+            request.num_prompt_tokens,
+        )
 
     def _open_static_batch(self) -> bool:
         """Static batching admits only into a forming batch: one opens when nothing
@@ -246,9 +305,13 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput) -> ClientOutputs:
-        """Account computed tokens, append sampled ones, finish what should stop."""
+        """Account computed tokens, append sampled ones, finish what should stop. A request
+        that ended while the step ran (aborted) is skipped; the blocks it held are freed
+        only now that its workers are done writing them."""
         for request_id, n in step.num_scheduled_tokens.items():
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # ended mid-step
             request.num_computed_tokens += n
             if self.kv.enable_prefix_caching:
                 extend_block_hashes(
@@ -265,7 +328,10 @@ class Scheduler:
         for request_id, token, lp in zip(
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
         ):
-            request = self.requests[request_id]
+            maybe = self.requests.get(request_id)
+            if maybe is None:
+                continue  # ended mid-step: its token is dropped
+            request = maybe
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
             reason = self._stop_reason(request, token)
@@ -277,8 +343,23 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 out.timings = self._timings(request)
+            elif self.hands_off and request.num_output_tokens == 1:
+                self._hand_off(request)
             outputs.setdefault(request.client_id, []).append(out)
+        self._in_flight = set()
+        for request_id in self._free_after_step:
+            self.kv.free(request_id)
+        self._free_after_step.clear()
         return outputs
+
+    def _hand_off(self, request: Request) -> None:
+        """The prompt is done here: the request leaves, its KV blocks stay allocated."""
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        self._finished_for_workers.append(request.request_id)  # workers drop its state
+        request.sent_to_workers = False
+        request.status = RequestStatus.HANDED_OFF
+        self._handoffs.append(request)
 
     def _timings(self, request: Request) -> RequestTimings:
         now = self._clock()
@@ -326,9 +407,14 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.incoming:
+            self.incoming.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if request.request_id in self._in_flight:
+            self._free_after_step.append(request.request_id)
+        else:
+            self.kv.free(request.request_id)
         if request.sent_to_workers:
             self._finished_for_workers.append(request.request_id)
         request.status = RequestStatus.FINISHED
@@ -352,7 +438,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.incoming),
             num_kv_blocks_total=self.kv.num_blocks,
             num_kv_blocks_in_use=self.kv.num_used_blocks,
             num_tokens_scheduled=self._last_num_scheduled,

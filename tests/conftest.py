@@ -9,6 +9,18 @@ from common.model_files import resolve_model_dir
 from tests.stack import TandemStack
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA device: skipped, saying so, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (run where one is; see docs)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded default model, converted once into the cache."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 from common.config import AttentionBackend, CacheConfig
 from common.messages import (
     CachedRequestData,
+    KVTransferResult,
     ModelInfo,
     ModelRunnerOutput,
     NewRequestData,
@@ -26,6 +28,8 @@ from common.messages import (
     SchedulerOutput,
 )
 from worker.attention import build_metadata
+from worker.kv_memory import SharedCaches, local_caches
+from worker.kv_transfer import KVReceiver, KVSender
 from worker.models.loader import load_model, read_hf_config
 from worker.ops import pick_ops
 from worker.sampler import SamplingBatch, sample
@@ -77,7 +81,10 @@ class ModelRunner:
         cache: CacheConfig,
         max_model_len: int | None,
         attention_backend: AttentionBackend = "auto",
+        kv_segment: str | None = None,
     ) -> None:
+        """``kv_segment``: map the KV caches from this shared-memory segment (split pools
+        with ``--kv-transfer shm``) instead of allocating them here."""
         self.device = device
         self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
@@ -86,12 +93,21 @@ class ModelRunner:
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype
         )
-        slots = self.num_kv_blocks * self.block_size
-        self.kv_caches = [
-            torch.zeros(self.model.kv_cache_shape(slots), dtype=dtype, device=device)
-            for _ in range(self.model.num_layers)
-        ]
+        layer_shape = self.model.kv_cache_shape(self.num_kv_blocks * self.block_size)
+        self.shared: SharedCaches | None = None
+        if kv_segment is not None:
+            if device.type != "cpu":
+                raise ValueError("--kv-transfer shm maps KV in host memory: CPU workers only")
+            self.shared = SharedCaches(kv_segment, layer_shape, self.model.num_layers, dtype)
+            self.kv_caches = self.shared.caches
+        else:
+            self.kv_caches = local_caches(layer_shape, self.model.num_layers, dtype, device)
+        self.bytes_per_block = (
+            math.prod(layer_shape) // self.num_kv_blocks * self.model.num_layers * dtype.itemsize
+        )
         self.requests: dict[str, RequestState] = {}
+        self.kv_sender: KVSender | None = None
+        self.kv_receiver: KVReceiver | None = None
         self.structured = StructuredOutputs(
             model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids
         )
@@ -123,8 +139,55 @@ class ModelRunner:
             self.execute(SchedulerOutput(-1, [], [decode], {"warmup": 1}, []))
         self.requests.clear()
 
+    def attach_transfer(
+        self, sender: KVSender | None = None, receiver: KVReceiver | None = None
+    ) -> None:
+        """Split pools over TCP: the prefill side sends its requests' KV, the decode side
+        takes it."""
+        self.kv_sender, self.kv_receiver = sender, receiver
+
+    def _transfer_orders(self, step: SchedulerOutput) -> list[str]:
+        """Apply the step's KV orders before its forward; returns the transfers copied."""
+        for transfer_id in step.kv_cancels:
+            if self.kv_receiver is not None:
+                self.kv_receiver.cancel(transfer_id)
+            if self.kv_sender is not None:
+                self.kv_sender.cancel(transfer_id)
+        if self.kv_receiver is not None:
+            for receive in step.kv_receives:
+                self.kv_receiver.expect(receive)
+        copied = []
+        if self.kv_sender is not None:
+            for send in step.kv_sends:
+                self.kv_sender.send(send, self.kv_caches)
+                copied.append(send.transfer_id)
+        return copied
+
+    def close(self) -> None:
+        """Stop the KV transfer threads (their sockets close with them)."""
+        if self.kv_sender is not None:
+            self.kv_sender.close()
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
+
+    def transfer_results(self) -> list[KVTransferResult]:
+        """Transfers that ended on this side since the last call."""
+        results = []
+        if self.kv_receiver is not None:
+            results += self.kv_receiver.take_results()
+        if self.kv_sender is not None:
+            results += self.kv_sender.take_failures()
+        return results
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        copied = self._transfer_orders(step)
+        output = self._execute(step)
+        output.kv_copied = copied
+        output.kv_results = self.transfer_results()
+        return output
+
+    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(step)
         input_ids: list[int] = []
         positions: list[int] = []

@@ -182,13 +182,14 @@ $("new-chat").onclick = () => {
 $("close-sidebar").onclick = () => $("sidebar").classList.remove("open");
 $("error-close").onclick = () => { $("error-banner").hidden = true; };
 $("toggle-sidebar").onclick = () => $("sidebar").classList.toggle("open");
-$("api-key").value = localStorage.getItem(KEY_STORE) || "";
+// The key lives only as long as the tab (sessionStorage), never in localStorage.
+$("api-key").value = sessionStorage.getItem(KEY_STORE) || "";
 $("temperature").value = localStorage.getItem(TEMPERATURE_STORE) || "0.7";
 $("temperature").addEventListener("change", () => {
   localStorage.setItem(TEMPERATURE_STORE, $("temperature").value);
 });
 $("api-key").addEventListener("change", () => {
-  localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+  sessionStorage.setItem(KEY_STORE, $("api-key").value.trim());
   $("error-banner").hidden = true;
   loadModel();
 });

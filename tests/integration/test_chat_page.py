@@ -86,9 +86,15 @@ def test_chat_page_streams_cancels_and_remembers(
     assert second.inner_text() == stopped_text  # nothing more arrives after Stop
     wait_idle(keyed.url, {"x-api-key": "page-key"})  # the engine aborted it
 
-    # 3. A reload restores the conversation from localStorage.
+    # 3. A reload restores the conversation from localStorage; the key is kept only in
+    # the tab's sessionStorage, never in localStorage.
     page.screenshot(path=str(tmp_path / "chat-before-reload.png"))
-    page.reload()
+    assert "page-key" not in page.evaluate("JSON.stringify(localStorage)")
+    assert page.evaluate("sessionStorage.getItem('tandem.apiKey')") == "page-key"
+    response = page.reload()
+    assert response is not None
+    csp = response.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "unsafe-inline" not in csp
     expect(page.locator(".message")).to_have_count(4)
     expect(page.locator(".message.assistant").first).to_have_text(first_reply)
     expect(page.locator("#conversations li")).to_have_count(1)

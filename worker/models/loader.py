@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def _open_weights(path: Path) -> Iterator[Any]:
+    """``safe_open``, with a corrupt or truncated file named in the error."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read weights from {path} (corrupt or truncated?): {e}") from None
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f: Any, name: str, path: Path) -> torch.Tensor:
+    try:
+        tensor: torch.Tensor = f.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"cannot read weight {name} from {path} (truncated?): {e}") from None
+    return tensor
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -57,12 +78,12 @@ def load_model(
     loaded: set[str] = set()
     with torch.no_grad():
         for path in safetensors_files(model_dir):
-            with safe_open(str(path), framework="pt") as f:
+            with _open_weights(path) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     param = expected.get(name)
                     if param is None:
                         continue  # e.g. rotary inv_freq buffers saved by old exports
-                    tensor = f.get_tensor(name)
+                    tensor = _read_tensor(f, name, path)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
                             f"weight {name} in {path.name} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,152 @@
+"""What a prefill -> decode hand-off costs, per request of 1k and 4k tokens.
+
+1. The bytes alone, in-process, SmolLM2's KV layout (30 layers, 3 KV heads of 64, bf16):
+   a plain memcpy of one request's KV, and the TCP path end to end (copy the blocks out,
+   CRC-32, ZeroMQ over loopback, check, write into the receiver's blocks), in GB/s.
+   ``shm`` moves no bytes at all: its cost is bookkeeping.
+2. The hand-off as a client sees it, through real servers (split pools, one thread each):
+   the gap between a request's first token (sampled by the prefill pool) and its second
+   (the decode pool's first step), minus the decode pool's steady inter-token time.
+
+    .venv/bin/python -m bench.kv_transfer [--tokens 1024 4096] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import httpx
+import torch
+import zmq
+
+from bench.harness import print_table, stream, tandem_server, write_results
+from common.messages import KVReceive, KVSend
+from worker.kv_transfer import KVReceiver, KVSender
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+DTYPE = torch.bfloat16
+
+
+def caches(num_blocks: int) -> list[torch.Tensor]:
+    shape = (2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM)
+    return [torch.randn(shape).to(DTYPE) for _ in range(LAYERS)]
+
+
+def kv_bytes(tokens: int) -> int:
+    return LAYERS * 2 * tokens * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def memcpy_s(tokens: int, repeats: int) -> float:
+    src = torch.empty(kv_bytes(tokens), dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tcp_s(tokens: int, repeats: int) -> float:
+    """Sender copy-out + wire + receiver check and write, until the receiver reports."""
+    blocks = -(-tokens // BLOCK)
+    ctx: zmq.Context[Any] = zmq.Context()
+    src, dst = caches(blocks), [c.clone().zero_() for c in caches(blocks)]
+    receiver = KVReceiver(ctx, dst, BLOCK, "tcp://127.0.0.1:0")
+    sender = KVSender(ctx, BLOCK)
+    ids = list(range(blocks))
+    times = []
+    try:
+        for i in range(repeats):
+            transfer_id = f"bench-{i}"
+            receiver.expect(KVReceive(transfer_id, ids, [1] * blocks))
+            start = time.perf_counter()
+            sender.send(KVSend(transfer_id, ids, receiver.address), src)
+            while not (results := receiver.take_results()):
+                time.sleep(0.0002)
+            times.append(time.perf_counter() - start)
+            assert results[0].ok, results[0].error
+        assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        sender.close()
+        receiver.close()
+        ctx.term()
+    return statistics.median(times)
+
+
+async def handoff_gap(url: str, tokens: int, repeats: int) -> tuple[float, float]:
+    """Median first->second token gap and steady ITL for prompts of ``tokens`` tokens."""
+    gaps, steady = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream(client, url, {"prompt": "warm up", "max_tokens": 4})
+        for i in range(repeats):
+            prompt = [1000 + (7 * j + 131 * i) % 40000 for j in range(tokens)]  # no cache hits
+            body = {"prompt": prompt, "max_tokens": 10, "ignore_eos": True, "temperature": 0}
+            timing = await stream(client, url, body)
+            gaps.append(timing.itls_s[0])
+            steady += timing.itls_s[2:]
+    return statistics.median(gaps), statistics.median(steady)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-servers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows, results = [], []
+    for tokens in args.tokens:
+        size = kv_bytes(tokens)
+        copy, wire = memcpy_s(tokens, args.repeats), tcp_s(tokens, args.repeats)
+        results.append({"tokens": tokens, "bytes": size, "memcpy_s": copy, "tcp_s": wire})
+        rows.append(
+            [
+                tokens, f"{size / 2**20:.1f}", f"{1000 * copy:.2f}", f"{size / copy / 1e9:.1f}",
+                f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}", "0 bytes moved",
+            ]
+        )  # fmt: skip
+    print(f"\nKV bytes of one request (SmolLM2 layout, {DTYPE}), {args.repeats} repeats, medians\n")
+    print_table(["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp ms", "tcp GB/s", "shm"], rows)
+    served: dict[str, Any] = {}
+    if not args.skip_servers:
+        split = (
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
+            "--disagg-min-prompt-tokens",
+            "0",
+        )
+        setups = {
+            "unified (2 threads)": (),
+            "split shm (1+1)": (*split, "--kv-transfer", "shm"),
+            "split tcp (1+1)": (*split, "--kv-transfer", "tcp"),
+        }
+        rows = []
+        for name, flags in setups.items():
+            with tandem_server(*flags, "--max-model-len", "8192") as url:
+                for tokens in args.tokens:
+                    gap, steady = asyncio.run(handoff_gap(url, tokens, args.repeats))
+                    served[f"{name} {tokens}"] = {"gap_s": gap, "steady_itl_s": steady}
+                    rows.append(
+                        [
+                            name,
+                            tokens,
+                            f"{1000 * gap:.1f}",
+                            f"{1000 * steady:.1f}",
+                            f"{1000 * (gap - steady):.1f}",
+                        ]
+                    )
+        print("\nfirst -> second token as a client sees it (medians, ms)\n")
+        print_table(["setup", "tokens", "gap", "steady ITL", "hand-off cost"], rows)
+    path = write_results("kv_transfer", {"args": vars(args), "bytes": results, "served": served})
+    print(f"\n(JSON: {path})")
+
+
+if __name__ == "__main__":
+    main()

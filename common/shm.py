@@ -1,0 +1,133 @@
+"""The shared-memory segments of split pools (``--kv-transfer shm``): names, ownership,
+cleanup.
+
+A service's segments are named ``tandem-<service id>-<what>`` (``/dev/shm``, mode 0600:
+never world-writable). The engine core owns them: it writes the service id into its
+private runtime directory and holds an exclusive lock on that file for as long as it
+runs, and unlinks the segments when it stops. After a crash (SIGKILL) the lock is gone
+with the process, so the next engine to start finds the stale segments by that file —
+a segment whose service id no locked file claims is unlinked, whatever pids were reused.
+
+Python 3.11's ``SharedMemory`` registers even a segment it merely attached with the
+resource tracker, which would unlink it when that process exits; workers unregister
+(``attach_segment``), since the engine alone decides when a segment goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tandem-"
+SERVICE_FILE = "service-id"
+SHM_DIR = Path("/dev/shm")
+
+
+def new_service_id() -> str:
+    return secrets.token_hex(6)
+
+
+def segment_name(service_id: str, what: str) -> str:
+    return f"{PREFIX}{service_id}-{what}"
+
+
+def runtime_base() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return base if os.access(base, os.W_OK) else tempfile.gettempdir()
+
+
+class ServiceLock:
+    """The engine's claim on its service id: a locked file in its runtime directory."""
+
+    def __init__(self, runtime_dir: str, service_id: str) -> None:
+        self.service_id = service_id
+        self.path = Path(runtime_dir) / SERVICE_FILE
+        self.path.write_text(service_id)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self) -> None:
+        """Unlink the service's segments and drop the claim."""
+        for segment in segments_of(self.service_id):
+            unlink_segment(segment)
+        os.close(self._fd)
+
+
+def segments_of(service_id: str) -> list[str]:
+    prefix = f"{PREFIX}{service_id}-"
+    return sorted(p.name for p in SHM_DIR.glob(prefix + "*")) if SHM_DIR.is_dir() else []
+
+
+def unlink_segment(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()  # also unregisters it from this process's resource tracker
+
+
+def _claimed(service_file: Path) -> bool:
+    """Whether a live engine holds this service file's lock."""
+    try:
+        fd = os.open(service_file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove_stale(base: str | None = None) -> list[str]:
+    """Unlink every Tandem segment no running engine claims, and the runtime directories
+    of engines that died; returns the segments removed."""
+    base = base or runtime_base()
+    live: set[str] = set()
+    for service_file in Path(base).glob(f"{PREFIX}*/{SERVICE_FILE}"):
+        if _claimed(service_file):
+            live.add(service_file.read_text().strip())
+        else:
+            shutil.rmtree(service_file.parent, ignore_errors=True)
+    removed = []
+    if SHM_DIR.is_dir():
+        for segment in SHM_DIR.glob(f"{PREFIX}*"):
+            service_id = segment.name.removeprefix(PREFIX).rsplit("-", 1)[0]
+            if service_id not in live:
+                unlink_segment(segment.name)
+                removed.append(segment.name)
+    if removed:
+        logger.warning("removed %d stale shared-memory segment(s): %s", len(removed), removed)
+    return removed
+
+
+def attach_segment(name: str, size: int, timeout_s: float = 60.0) -> shared_memory.SharedMemory:
+    """Create the segment (0600) or, if another worker did first, map it once it has its
+    full size. Either way it stays off this process's resource tracker."""
+    try:
+        segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+    except FileExistsError:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            segment = shared_memory.SharedMemory(name=name)
+            if segment.size >= size:
+                break
+            segment.close()  # its creator has not sized it yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"shared-memory segment {name} never reached {size} bytes"
+                ) from None
+            time.sleep(0.05)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment

@@ -1,0 +1,181 @@
+"""Split pools give the unified pool's greedy outputs, token for token (float32; ties as
+ARCHITECTURE.md defines them): 16 concurrent requests with prompts of 5 to 3,000 tokens
+(some longer than the step budget, some sharing a prefix), through prefill and decode
+pools handing KV over shared memory and over TCP, with conditional disaggregation on and
+off. SmolLM2 runs in every suite; Gemma-3-270M (sliding-window layers) and the other
+combinations under ``slow``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from common.model_files import resolve_model_dir
+from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
+from tests.stack import TandemStack
+
+MAX_TOKENS = 12
+# Long prompts first, so that the shorter ones arrive while the prefill pool is busy.
+LENGTHS = [3000, 2600, 5, 2100, 12, 1700, 40, 1100, 150, 700, 400]
+SHARED_TAILS = [20, 40, 200, 600, 1900]  # after one 600-token prefix
+BASE = ("--dtype", "float32", "--max-num-seqs", "16")
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "garden",
+    "music",
+    "winter",
+    "paper",
+    "window",
+    "bread",
+    "silver",
+    "forest",
+    "engine",
+    "morning",
+    "harbor",
+    "letter",
+    "mountain",
+    "candle",
+    "thunder",
+    "orchard",
+    "lantern",
+    "meadow",
+    "violin",
+    "compass",
+    "glacier",
+    "ribbon",
+    "falcon",
+    "canyon",
+    "saddle",
+    "marble",
+    "pepper",
+    "anchor",
+    "blossom",
+]
+
+
+def prompts(model: str) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(model)))
+    rng = random.Random(11)
+    text = " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(9000))
+    ids: list[int] = tok.encode(text, add_special_tokens=False)
+    out = [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    shared = ids[4000:4600]
+    out += [shared + ids[5000 + 50 * i : 5000 + 50 * i + n] for i, n in enumerate(SHARED_TAILS)]
+    assert len(out) == 16 and max(map(len, out)) == 3000
+    return out
+
+
+def run_all(stack: TandemStack, model: str, batch: list[list[int]]) -> list[list[int]]:
+    async def go() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def one(prompt: list[int]) -> list[int]:
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                }
+                r = await client.post(f"{stack.url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return list(r.json()["choices"][0]["token_ids"])
+
+            return list(await asyncio.gather(*(one(p) for p in batch)))
+
+    return asyncio.run(go())
+
+
+class Reference:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.prompts = prompts(model)
+        with TandemStack("--model", model, *BASE) as stack:
+            self.outputs = run_all(stack, model, self.prompts)
+        assert sum(map(len, self.outputs)) > 8 * len(self.outputs)
+        self.logprobs: LogprobsFn = our_logprobs_fn(resolve_model_dir(model))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path) -> Reference:
+    return Reference("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[Reference]:
+    yield Reference("gemma-3-270m")
+
+
+def split(reference: Reference, kv_transfer: str, conditional: bool) -> dict[str, Any]:
+    flags = [
+        "--model",
+        reference.model,
+        *BASE,
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--kv-transfer",
+        kv_transfer,
+        # on: short prompts stay in the decode pool (shm: while prefill is busy)
+        "--disagg-min-prompt-tokens",
+        "200" if conditional else "0",
+    ]
+    with TandemStack(*flags) as stack:
+        outputs = run_all(stack, reference.model, reference.prompts)
+        stats = httpx.get(f"{stack.url}/stats").json()
+    for prompt, ours, ref in zip(reference.prompts, outputs, reference.outputs, strict=True):
+        assert_greedy_parity(prompt, ours, ref, reference.logprobs, reference.logprobs)
+    transfers = stats["kv_transfers"]["outcomes"]
+    assert transfers["done"] > 0  # prompts really went through the hand-off
+    if conditional:
+        assert transfers["local_prefill"] > 0  # and some really stayed
+    else:
+        assert transfers["local_prefill"] == 0
+    assert stats["num_kv_blocks_in_use"] == 0 and set(stats["pools"]) == {"prefill", "decode"}
+    assert sum(v for k, v in transfers.items() if k not in ("done", "local_prefill")) == 0
+    return stats
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer", "conditional"), [("shm", True), ("tcp", False)], ids=["shm-conditional", "tcp"]
+)
+def test_split_pools_match_the_unified_pool(
+    smollm2: Reference, kv_transfer: str, conditional: bool
+) -> None:
+    stats = split(smollm2, kv_transfer, conditional)
+    if kv_transfer == "tcp":
+        assert stats["kv_transfers"]["bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kv_transfer", "conditional"),
+    [("shm", False), ("tcp", True)],
+    ids=["shm", "tcp-conditional"],
+)
+def test_split_pools_match_the_unified_pool_more(
+    smollm2: Reference, kv_transfer: str, conditional: bool
+) -> None:
+    split(smollm2, kv_transfer, conditional)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kv_transfer", "conditional"),
+    [("shm", True), ("shm", False), ("tcp", True), ("tcp", False)],
+    ids=["shm-conditional", "shm", "tcp-conditional", "tcp"],
+)
+def test_gemma_split_pools_match_the_unified_pool(
+    gemma: Reference, kv_transfer: str, conditional: bool
+) -> None:
+    split(gemma, kv_transfer, conditional)

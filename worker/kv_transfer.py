@@ -1,0 +1,273 @@
+"""Prefill -> decode KV hand-off over TCP (``--kv-transfer tcp``), worker side.
+
+The prefill worker's ``KVSender``: told to send a transfer (``KVSend``), it copies the
+blocks out of its caches at the start of its next step (so they can be freed and reused
+at once) and a thread streams them to the decode worker while the step runs: one
+ZeroMQ multipart message, a header (transfer id, block count, bytes, CRC-32) then one
+frame per layer.
+
+The decode worker's ``KVReceiver`` binds a PULL socket; its thread checks each transfer
+against what the engine said would land (``KVReceive``: block ids and their generations)
+and its checksum, then writes it into those blocks. A transfer can arrive before the
+engine's word (it is then held, bounded) or after the engine cancelled it (it is
+dropped); a cancel and a write never race (one lock). Results go back to the engine with
+the worker's next step, or at once when it is idle.
+
+(With ``--kv-transfer shm`` nothing here runs: both pools map the same KV memory.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import warnings
+import zlib
+from collections import OrderedDict
+
+import msgspec
+import torch
+import zmq
+
+from common.messages import KVReceive, KVSend, KVTransferResult
+
+logger = logging.getLogger(__name__)
+
+_EARLY_LIMIT = 64  # transfers held while waiting for the engine's KVReceive
+_CANCELLED_LIMIT = 4096  # cancelled ids remembered (their bytes may still come)
+
+
+class _Cancelled:
+    """Transfer ids whose bytes are to be dropped, the most recent ``_CANCELLED_LIMIT``."""
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()  # the step loop adds, a transfer thread takes
+
+    def add(self, transfer_id: str) -> None:
+        with self._lock:
+            self._ids[transfer_id] = None
+            while len(self._ids) > _CANCELLED_LIMIT:
+                self._ids.popitem(last=False)
+
+    def take(self, transfer_id: str) -> bool:
+        """Whether it was cancelled (forgetting it: its bytes came)."""
+        with self._lock:
+            return self._ids.pop(transfer_id, 0) is None
+
+    def __contains__(self, transfer_id: str) -> bool:
+        with self._lock:
+            return transfer_id in self._ids
+
+
+NOTIFY_ADDRESS = "inproc://kv-transfer-results"
+
+
+class _Header(msgspec.Struct, array_like=True):
+    transfer_id: str
+    num_blocks: int
+    num_bytes: int
+    crc32: int
+
+
+def _block_rows(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One layer's cache as ``[2, num_blocks, block_size * kv_heads * dim]`` (a view)."""
+    return cache.view(cache.shape[0], cache.shape[1] // block_size, -1)
+
+
+def gather_blocks(caches: list[torch.Tensor], blocks: list[int], block_size: int) -> torch.Tensor:
+    """``[layers, 2, len(blocks), block_size * kv_heads * dim]``: one contiguous copy."""
+    index = torch.tensor(blocks, dtype=torch.long)
+    first = _block_rows(caches[0], block_size)
+    out = torch.empty((len(caches), 2, len(blocks), first.shape[2]), dtype=first.dtype)
+    for layer, cache in enumerate(caches):
+        torch.index_select(_block_rows(cache, block_size), 1, index, out=out[layer])
+    return out
+
+
+def scatter_layer(
+    cache: torch.Tensor, rows: torch.Tensor, blocks: list[int], block_size: int
+) -> None:
+    """Write one layer's ``[2, len(blocks), row]`` into ``blocks`` of its cache."""
+    index = torch.tensor(blocks, dtype=torch.long)
+    _block_rows(cache, block_size).index_copy_(1, index, rows)
+
+
+def _crc32(frames: list[memoryview]) -> int:
+    crc = 0
+    for frame in frames:
+        crc = zlib.crc32(frame, crc)
+    return crc
+
+
+class KVSender:
+    """Copies blocks out on the step loop, streams them from a thread."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], block_size: int) -> None:
+        self._ctx = ctx
+        self._block_size = block_size
+        self._work: queue.Queue[tuple[str, str, torch.Tensor] | None] = queue.Queue()
+        self._failures: queue.Queue[KVTransferResult] = queue.Queue()
+        self._cancelled = _Cancelled()
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, order: KVSend, caches: list[torch.Tensor]) -> None:
+        """Copy the order's blocks now; the bytes leave from the sender thread."""
+        payload = gather_blocks(caches, order.block_ids, self._block_size)
+        self._work.put((order.transfer_id, order.destination, payload))
+
+    def cancel(self, transfer_id: str) -> None:
+        self._cancelled.add(transfer_id)  # not yet sent: skipped
+
+    def take_failures(self) -> list[KVTransferResult]:
+        out = []
+        while not self._failures.empty():
+            out.append(self._failures.get_nowait())
+        return out
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        sockets: dict[str, zmq.Socket[bytes]] = {}
+        while (item := self._work.get()) is not None:
+            transfer_id, destination, payload = item
+            if self._cancelled.take(transfer_id):
+                continue
+            try:
+                sock = sockets.get(destination)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 2000)
+                    sock.setsockopt(zmq.SNDHWM, 0)
+                    sock.connect(destination)
+                    sockets[destination] = sock
+                frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
+                num_bytes = sum(f.nbytes for f in frames)
+                header = _Header(transfer_id, payload.shape[2], num_bytes, _crc32(frames))
+                sock.send_multipart([msgspec.msgpack.encode(header), *frames], copy=False)
+            except Exception as e:  # a broken destination fails this transfer, not the worker
+                logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
+                self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
+        for sock in sockets.values():
+            sock.close()
+
+
+def _as_bytes(payload: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's slice as a contiguous byte tensor (bfloat16 has no numpy dtype)."""
+    return [layer.contiguous().view(torch.uint8).reshape(-1) for layer in payload]
+
+
+class KVReceiver:
+    """Takes transfers on a PULL socket and writes them into the expected blocks."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        caches: list[torch.Tensor],
+        block_size: int,
+        bind_address: str,
+        advertise_host: str = "",
+    ) -> None:
+        self._ctx = ctx
+        self._caches = caches
+        self._block_size = block_size
+        self._lock = threading.Lock()
+        self._expected: dict[str, KVReceive] = {}
+        self._early: OrderedDict[str, tuple[_Header, list[zmq.Frame]]] = OrderedDict()
+        self._cancelled = _Cancelled()
+        self._results: queue.Queue[KVTransferResult] = queue.Queue()
+        self._sock = ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(bind_address)
+        endpoint = str(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        self.address = f"tcp://{advertise_host or host}:{port}"
+        self._notify = ctx.socket(zmq.PUSH)
+        self._notify.bind(NOTIFY_ADDRESS)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    def expect(self, order: KVReceive) -> None:
+        """The engine says this transfer lands in these blocks; it may already be here."""
+        with self._lock:
+            if order.transfer_id in self._cancelled:
+                return
+            early = self._early.pop(order.transfer_id, None)
+            if early is None:
+                self._expected[order.transfer_id] = order
+                return
+            self._land(order, *early)
+
+    def cancel(self, transfer_id: str) -> None:
+        """Drop the transfer, whenever its bytes come. Returns once no write is under way."""
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+            self._early.pop(transfer_id, None)
+            self._cancelled.add(transfer_id)
+
+    def take_results(self) -> list[KVTransferResult]:
+        out = []
+        while not self._results.empty():
+            out.append(self._results.get_nowait())
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._notify.close()
+
+    def _run(self) -> None:
+        decoder = msgspec.msgpack.Decoder(_Header)
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header = decoder.decode(frames[0].bytes)
+            except msgspec.DecodeError:
+                logger.warning("dropped an undecodable KV transfer frame")
+                continue
+            with self._lock:
+                if self._cancelled.take(header.transfer_id):
+                    continue
+                order = self._expected.pop(header.transfer_id, None)
+                if order is None:
+                    self._early[header.transfer_id] = (header, frames[1:])
+                    while len(self._early) > _EARLY_LIMIT:
+                        dropped, _ = self._early.popitem(last=False)
+                        logger.warning("dropped KV transfer %s: never expected", dropped)
+                    continue
+                self._land(order, header, frames[1:])
+
+    def _land(self, order: KVReceive, header: _Header, frames: list[zmq.Frame]) -> None:
+        """Check and write one transfer (the lock is held)."""
+        views = [f.buffer for f in frames]
+        error = None
+        if header.num_blocks != len(order.block_ids) or len(views) != len(self._caches):
+            error = f"expected {len(order.block_ids)} blocks x {len(self._caches)} layers"
+        elif sum(v.nbytes for v in views) != header.num_bytes or _crc32(views) != header.crc32:
+            error = "checksum mismatch: the KV arrived damaged"
+        if error is None:
+            dtype = self._caches[0].dtype
+            with warnings.catch_warnings():  # read-only frames: read, never written
+                warnings.simplefilter("ignore", UserWarning)
+                for cache, view in zip(self._caches, views, strict=True):
+                    rows = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
+                    scatter_layer(
+                        cache,
+                        rows.view(2, header.num_blocks, -1),
+                        order.block_ids,
+                        self._block_size,
+                    )
+        self._results.put(
+            KVTransferResult(order.transfer_id, error is None, error, header.num_bytes)
+        )
+        with contextlib.suppress(zmq.Again):  # only a wake-up call: none listening is fine
+            self._notify.send(b"", zmq.NOBLOCK)
