@@ -93,6 +93,19 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port, shared (SO_REUSEPORT) by every API-server process of the service:
+    the kernel spreads connections over them (``--api-server-count``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 async def serve(config: TandemConfig) -> int:
     from transformers import AutoTokenizer
 
@@ -137,6 +150,7 @@ async def serve(config: TandemConfig) -> int:
         config.server.strict_request_fields,
         config.server.request_read_timeout_s,
         config.server.allowed_origins,
+        config.server.api_server_count,
     )
     server = _Server(
         uvicorn.Config(
@@ -152,7 +166,9 @@ async def serve(config: TandemConfig) -> int:
         config.server.shutdown_timeout_s,
     )
     try:
-        await server.serve()
+        await server.serve(sockets=[listen_socket(config.server.host, config.server.port)])
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
     finally:
         await client.close()
     if not server.started:

@@ -99,6 +99,7 @@ def create_app(
     strict_fields: bool = False,
     read_timeout_s: float = 30.0,
     allowed_origins: tuple[str, ...] = (),
+    api_server_count: int = 1,
 ) -> Starlette:
     template = ChatTemplate(service, chat_template)
     generation_routes: dict[str, ApiFormat] = {
@@ -219,14 +220,20 @@ def create_app(
 
     async def cancel(request: Request) -> Response:
         request_id = request.path_params["request_id"]
-        if not service.client.cancel(request_id, key_id_of(request)):
-            raise ApiError(
-                404,
-                f"no request {request_id} in flight on this server",
-                "not_found_error",
-                code="request_not_found",
-            )
-        return JSONResponse({"id": request_id, "cancelled": True})
+        owner = key_id_of(request)
+        if service.client.cancel(request_id, owner):
+            return JSONResponse({"id": request_id, "cancelled": True})
+        if api_server_count > 1:
+            # Another process of this service may hold it: the engine cancels it there if
+            # this caller may. Accepted whether or not it exists, so ids do not leak.
+            service.client.forward_cancel(request_id, owner)
+            return JSONResponse({"id": request_id, "cancelled": "forwarded"}, 202)
+        raise ApiError(
+            404,
+            f"no request {request_id} in flight on this server",
+            "not_found_error",
+            code="request_not_found",
+        )
 
     async def body_too_large(request: Request, exc: Exception) -> Response:
         return JSONResponse(too_large_body(max_body_bytes), 413)

@@ -25,6 +25,7 @@ from common.curve import CurveKeys
 from common.ipc import Codec, make_socket
 from common.messages import (
     AbortRequests,
+    CancelRequests,
     ClientHello,
     EngineDead,
     EngineHeartbeat,
@@ -175,6 +176,11 @@ class EngineClient:
             )
         if ids:
             self.abort_nowait(ids)
+
+    def forward_cancel(self, request_id: str, caller: str | None) -> None:
+        """Ask the engine to cancel a request another API-server process may own."""
+        if self.dead_reason is None:
+            self._send_queue.put_nowait(CancelRequests(request_id, caller))
 
     def reset_prefix_cache(self) -> None:
         self._send_queue.put_nowait(ResetPrefixCache())

@@ -174,6 +174,7 @@ class CompletionService:
             arrival_time=time.time(),
             priority=req.priority,
             cache_salt=req.cache_salt,
+            owner=owner,
         )
         logger.info(
             "[%s] %s: %d prompt tokens, max_tokens=%d, stream=%s",
@@ -191,6 +192,8 @@ class CompletionService:
                 msgspec.json.encode(params).decode(),
             )
         self.limiter.charge(caller, len(prompt_ids))
+        if choice == 0:
+            self.metrics.served_here.inc()
         text_options = TextOptions(
             req.stop_strings(), req.include_stop_str_in_output, req.skip_special_tokens
         )

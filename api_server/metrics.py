@@ -13,6 +13,7 @@ Two kinds, and how several API-server processes add up:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -24,6 +25,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -163,12 +165,33 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    """This process's registry: the engine collector plus per-request observations."""
+    """This process's registry: the engine collector plus per-request observations.
+
+    With several API-server processes on one port (``--api-server-count``, which sets
+    ``PROMETHEUS_MULTIPROC_DIR``), per-request series live in prometheus-client's shared
+    files and any process's ``/metrics`` reports the sum over all of them (engine-wide
+    figures come from the engine, the same everywhere); ``tandem:api_server_requests_total``
+    keeps one series per process, to show how the port spread the load.
+    """
 
     def __init__(self, model_name: str, engine: EngineFigures) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        engine_collector = _EngineCollector(engine, model_name)
+        self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if self.shared_dir:
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, path=self.shared_dir)
+            self.exposed.register(engine_collector)
+        else:
+            self.registry.register(engine_collector)
+            self.exposed = self.registry
+        self.served_here = Counter(
+            PREFIX + "api_server_requests",
+            "Generation requests by the API-server process that took them.",
+            ["model_name", "process"],
+            registry=self.registry,
+        ).labels(model_name, str(os.getpid()))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(
@@ -215,7 +238,7 @@ class Metrics:
             self.decode.observe(timings.decode_s)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class HttpMetrics:

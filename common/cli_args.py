@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from common.config import API_KEYS_ENV, ATTENTION_BACKENDS, DTYPES, TandemConfig
+from common.env_flags import apply_env_defaults
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +144,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     h.add_argument(
         "--port", type=int, default=d.server.port, help="HTTP port (default: %(default)s)"
+    )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=d.server.api_server_count,
+        help="API-server processes sharing the port (SO_REUSEPORT) in front of one engine "
+        "(default: %(default)s)",
     )
     h.add_argument(
         "--grace-period-s",
@@ -328,9 +336,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="a directory of CurveZMQ keys made by `tandem keys DIR`: encrypts and "
         "authenticates every engine socket (needed between hosts)",
     )
+    apply_env_defaults(parser)  # TANDEM_<FLAG> for every flag above
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "tandem serve") -> TandemConfig:
+    """The config from these flags, over ``TANDEM_<FLAG>`` variables, over defaults."""
     parser = argparse.ArgumentParser(prog=prog)
     add_cli_args(parser)
     args = parser.parse_args(argv)

@@ -139,6 +139,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grace_period_s: float = 2.0
+    api_server_count: int = 1  # processes sharing the HTTP port (SO_REUSEPORT)
     log_level: str = "info"
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 16  # most choices (n x prompts) in one completions request
@@ -168,6 +169,10 @@ class ServerConfig:
             "--rate-limit-rpm and --rate-limit-tpm must not be negative",
         )
         _require(self.max_n >= 1, f"--max-n must be at least 1, got {self.max_n}")
+        _require(
+            self.api_server_count >= 1,
+            f"--api-server-count must be at least 1, got {self.api_server_count}",
+        )
         _require(self.grace_period_s >= 0, "--grace-period-s must not be negative")
         _require(
             self.request_read_timeout_s > 0,

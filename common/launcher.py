@@ -122,9 +122,16 @@ def serve(config: TandemConfig) -> int:
         args = config.to_cli_args()
         service.start("engine_core", "engine_core", args, small_thread_env())
         api_env = small_thread_env()
+        if config.server.api_server_count > 1:  # per-request metrics summed across them
+            metrics_dir = os.path.join(runtime_dir, "prometheus")
+            os.makedirs(metrics_dir)
+            api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         if config.server.api_keys:  # secrets travel by environment, never on a command line
             api_env[API_KEYS_ENV] = ",".join(config.server.api_keys)
-        service.start("api_server", "api_server", args, api_env)
+        for i in range(config.server.api_server_count):  # all on one port (SO_REUSEPORT)
+            service.start(
+                "api_server" if i == 0 else f"api_server-{i}", "api_server", args, api_env
+            )
         logger.info(
             "serving %s on http://%s:%d (%s)",
             served_name,

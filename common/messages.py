@@ -121,6 +121,7 @@ class EngineRequest(_Wire, tag=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    owner: str | None = None  # the API key (by digest) that made it: it alone may cancel it
 
 
 class AbortRequests(_Wire, tag=True):
@@ -129,11 +130,20 @@ class AbortRequests(_Wire, tag=True):
     request_ids: list[str]
 
 
+class CancelRequests(_Wire, tag=True):
+    """Cancel by id from any API-server process (``--api-server-count``): the request
+    ``request_id`` and its other choices (``<id>-<k>``), if ``owner`` made them (or they
+    were made without keys)."""
+
+    request_id: str
+    owner: str | None = None
+
+
 class ResetPrefixCache(_Wire, tag=True):
     """Forget every cached prefix block (e.g. after changing weights)."""
 
 
-EngineInput = EngineRequest | AbortRequests | ResetPrefixCache
+EngineInput = EngineRequest | AbortRequests | ResetPrefixCache | CancelRequests
 
 
 # ---------------------------------------------------------------- engine -> api_server

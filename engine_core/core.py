@@ -199,6 +199,20 @@ class EngineCore:
                 merge(out, where.abort(request_id) or {})
         return out
 
+    def cancel(self, request_id: str, owner: str | None) -> ClientOutputs:
+        """Abort ``request_id`` and its other choices (``<id>-<k>``) that ``owner`` may
+        cancel: its own, or any made without API keys."""
+        requests = [r for slot in self.slots.values() for r in slot.scheduler.requests.values()]
+        if self.handoff is not None:
+            requests += self.handoff.in_flight.values()
+        ids = [
+            r.request_id
+            for r in requests
+            if (r.request_id == request_id or r.request_id.startswith(request_id + "-"))
+            and r.owner in (None, owner)
+        ]
+        return self.abort(ids)
+
     def reset_prefix_cache(self) -> None:
         for kv in {id(s.scheduler.kv): s.scheduler.kv for s in self.slots.values()}.values():
             kv.reset_prefix_cache()

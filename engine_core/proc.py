@@ -26,6 +26,7 @@ from common.curve import CurveKeys
 from common.ipc import Codec, make_socket, max_request_frame_bytes
 from common.messages import (
     AbortRequests,
+    CancelRequests,
     ClientHello,
     EngineDead,
     EngineHeartbeat,
@@ -178,6 +179,8 @@ class EngineCoreProc:
                 self._add_request(message)
             elif isinstance(message, AbortRequests):
                 self._emit(self.core.abort(message.request_ids))
+            elif isinstance(message, CancelRequests):
+                self._emit(self.core.cancel(message.request_id, message.owner))
             elif isinstance(message, ResetPrefixCache):
                 self.core.reset_prefix_cache()
 

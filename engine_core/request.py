@@ -27,6 +27,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -40,6 +41,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.sent_to_workers = False  # the workers hold state for it
         self.cache_salt = (cache_salt or "").encode()  # hashed into every block key
+        self.owner = owner
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.first_output_sent = False
@@ -59,6 +61,7 @@ class Request:
             r.arrival_time,
             r.priority,
             r.cache_salt,
+            r.owner,
         )
 
     @property

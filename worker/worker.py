@@ -223,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from common.cli_args import add_cli_args
+    from common.env_flags import apply_env_defaults
     from common.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m worker")
     add_cli_args(parser)
     parser.add_argument("--rank", type=int, default=0, help="rank of this worker in its pool")
     parser.add_argument(
-        "--worker-address", required=True, help="the engine's ZeroMQ address for this pool"
+        "--worker-address", default=None, help="the engine's ZeroMQ address for this pool"
     )
     parser.add_argument(
         "--pool",
@@ -237,7 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         choices=[str(role) for role in PoolRole],
         help="the pool this worker serves (default: %(default)s)",
     )
+    apply_env_defaults(parser)  # TANDEM_POOL, TANDEM_RANK, TANDEM_WORKER_ADDRESS too
     args = parser.parse_args(argv)
+    if not args.worker_address:
+        parser.error("--worker-address (or TANDEM_WORKER_ADDRESS) is required")
     config = TandemConfig.from_cli_args(args)
     pool = PoolRole[args.pool.upper()]
     name = f"worker-{args.rank}" if pool == PoolRole.UNIFIED else f"{pool}-worker-{args.rank}"

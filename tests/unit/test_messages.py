@@ -33,6 +33,7 @@ def test_engine_request_encoding_is_pinned() -> None:
         2.0,
         1,
         None,  # cache_salt, appended after priority
+        None,  # owner, appended after cache_salt
     ]
 
 
