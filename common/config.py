@@ -332,6 +332,22 @@ class TandemConfig:
     addresses: EngineAddresses = field(default_factory=EngineAddresses)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
+    def __post_init__(self) -> None:
+        # The pools' and the KV hand-off's sockets carry prompts and KV: the same rule as
+        # the engine's own sockets (and the same keys encrypt them).
+        d = self.disagg
+        for flag, address in (
+            ("--unified-pool-address", d.unified_pool_address),
+            ("--prefill-pool-address", d.prefill_pool_address),
+            ("--decode-pool-address", d.decode_pool_address),
+            ("--kv-transfer-address", d.kv_transfer_address),
+        ):
+            _require(
+                is_private_address(address) or self.addresses.expose_engine,
+                f"{flag} {address} listens beyond 127.0.0.1; pass --expose-engine "
+                "(with --curve-keys) to mean it",
+            )
+
     @property
     def served_model_name(self) -> str:
         """The model id clients send: the flag, else the embedded name or dir basename."""

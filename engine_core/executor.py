@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.config import TandemConfig
+from common.curve import CurveKeys
 from common.ipc import Codec, ipc_address, make_socket
 from common.messages import (
     KVTransferResult,
@@ -67,7 +68,17 @@ class WorkerPool:
         self._ctx = zmq.Context()
         configured = getattr(config.disagg, f"{self.name}_pool_address")
         self.address = configured or ipc_address(runtime_dir, f"pool-{self.name}")
-        self._sock = make_socket(self._ctx, zmq.ROUTER, self.address, bind=True)
+        # With --curve-keys the pool's socket is a Curve server like the engine's own:
+        # only workers holding the deployment's client key get a step (or send one back).
+        keys = CurveKeys(config.addresses.curve_keys) if config.addresses.curve_keys else None
+        self._auth = keys.start_authenticator(self._ctx) if keys else None
+        self._sock = make_socket(
+            self._ctx,
+            zmq.ROUTER,
+            self.address,
+            bind=True,
+            secure=keys.make_server if keys else None,
+        )
         self._codec: Codec[WorkerMessage] = Codec(WorkerMessage)
         self._identities = [f"worker-{rank}".encode() for rank in range(num_workers)]
         self._procs: dict[bytes, subprocess.Popen[bytes]] = {}
@@ -200,6 +211,8 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 stop_process(proc)
         self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 

@@ -25,12 +25,16 @@ import threading
 import warnings
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 import zmq
 
 from common.messages import KVReceive, KVSend, KVTransferResult
+
+Secure = Callable[[zmq.Socket[Any]], None]  # makes a socket a Curve server or client
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +108,15 @@ def _crc32(frames: list[memoryview]) -> int:
 class KVSender:
     """Copies blocks out on the step loop, streams them from a thread."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], block_size: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        block_size: int,
+        secure: Secure | None = None,
+    ) -> None:
         self._ctx = ctx
         self._block_size = block_size
+        self._secure = secure  # a Curve client (--curve-keys): the receiver admits only it
         self._work: queue.Queue[tuple[str, str, torch.Tensor] | None] = queue.Queue()
         self._failures: queue.Queue[KVTransferResult] = queue.Queue()
         self._cancelled = _Cancelled()
@@ -141,6 +151,8 @@ class KVSender:
                 sock = sockets.get(destination)
                 if sock is None:
                     sock = self._ctx.socket(zmq.PUSH)
+                    if self._secure is not None:
+                        self._secure(sock)
                     sock.setsockopt(zmq.LINGER, 2000)
                     sock.setsockopt(zmq.SNDHWM, 0)
                     sock.connect(destination)
@@ -171,6 +183,7 @@ class KVReceiver:
         block_size: int,
         bind_address: str,
         advertise_host: str = "",
+        secure: Secure | None = None,
     ) -> None:
         self._ctx = ctx
         self._caches = caches
@@ -181,6 +194,8 @@ class KVReceiver:
         self._cancelled = _Cancelled()
         self._results: queue.Queue[KVTransferResult] = queue.Queue()
         self._sock = ctx.socket(zmq.PULL)
+        if secure is not None:  # a Curve server: its context runs the authenticator
+            secure(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(bind_address)

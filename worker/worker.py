@@ -21,12 +21,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import zmq
 
 from common.config import TandemConfig
+from common.curve import CurveKeys
 from common.ipc import Codec, make_socket
 from common.messages import (
     KVTransferStatus,
@@ -86,16 +88,31 @@ class _TermDeadline:
         return self.at is not None and time.monotonic() >= self.at
 
 
-def _heartbeats(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event) -> None:
+def _heartbeats(
+    ctx: zmq.Context[Any],
+    address: str,
+    rank: int,
+    stop: threading.Event,
+    secure: Callable[[zmq.Socket[Any]], None] | None,
+) -> None:
     """Prove this worker alive to an engine that did not start it, even mid-step."""
-    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=f"heartbeat-{rank}".encode())
+    sock = make_socket(
+        ctx,
+        zmq.DEALER,
+        address,
+        bind=False,
+        identity=f"heartbeat-{rank}".encode(),
+        secure=secure,
+    )
     frame = Codec(WorkerHeartbeat).encode(WorkerHeartbeat(rank))
     while not stop.wait(HEARTBEAT_INTERVAL_S):
         sock.send(frame)
     sock.close()
 
 
-def _build_runner(config: TandemConfig, pool: PoolRole, ctx: zmq.Context[Any]) -> Any:
+def _build_runner(
+    config: TandemConfig, pool: PoolRole, ctx: zmq.Context[Any], keys: CurveKeys | None
+) -> Any:
     import torch
 
     from worker.device import pick_device, resolve_dtype
@@ -118,7 +135,8 @@ def _build_runner(config: TandemConfig, pool: PoolRole, ctx: zmq.Context[Any]) -
     )
     if disagg.split and disagg.kv_transfer == "tcp":
         if pool == PoolRole.PREFILL:
-            runner.attach_transfer(sender=KVSender(ctx, runner.block_size))
+            sender = KVSender(ctx, runner.block_size, keys.make_client if keys else None)
+            runner.attach_transfer(sender=sender)
         else:
             receiver = KVReceiver(
                 ctx,
@@ -126,6 +144,7 @@ def _build_runner(config: TandemConfig, pool: PoolRole, ctx: zmq.Context[Any]) -
                 runner.block_size,
                 disagg.kv_transfer_address,
                 disagg.kv_transfer_host,
+                keys.make_server if keys else None,
             )
             runner.attach_transfer(receiver=receiver)
     runner.warm_up()
@@ -143,8 +162,18 @@ def run_worker(
     term = _TermDeadline(config.server.shutdown_timeout_s + config.server.grace_period_s)
     signal.signal(signal.SIGTERM, term)
     ctx = zmq.Context()
+    # With --curve-keys every socket to the engine is a Curve client, and a decode
+    # worker's KV receiver a Curve server that admits only the deployment's prefill workers.
+    keys = CurveKeys(config.addresses.curve_keys) if config.addresses.curve_keys else None
+    auth = keys.start_authenticator(ctx) if keys else None
+    secure = keys.make_client if keys else None
     sock = make_socket(
-        ctx, zmq.DEALER, engine_address, bind=False, identity=f"worker-{rank}".encode()
+        ctx,
+        zmq.DEALER,
+        engine_address,
+        bind=False,
+        identity=f"worker-{rank}".encode(),
+        secure=secure,
     )
     codec: Codec[WorkerInput] = Codec(WorkerInput)
     stop_heartbeats = threading.Event()
@@ -153,12 +182,12 @@ def run_worker(
     if config.disagg.external_workers:
         threading.Thread(
             target=_heartbeats,
-            args=(ctx, engine_address, rank, stop_heartbeats),
+            args=(ctx, engine_address, rank, stop_heartbeats, secure),
             name="heartbeat",
             daemon=True,
         ).start()
     try:
-        runner = _build_runner(config, pool, ctx)
+        runner = _build_runner(config, pool, ctx, keys)
         receiver = runner.kv_receiver
         ready = WorkerReady(
             rank,
@@ -216,6 +245,8 @@ def run_worker(
         if notify is not None:
             notify.close()
         sock.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 

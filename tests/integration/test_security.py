@@ -18,7 +18,7 @@ import zmq
 import zmq.auth
 
 from common.curve import generate_keys
-from common.messages import EngineRequest, SamplingParams
+from common.messages import EngineRequest, SamplingParams, WorkerFailed
 from tests.stack import TandemStack, free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -104,6 +104,59 @@ def test_curve_keys_let_the_deployment_in_and_no_one_else(
     time.sleep(0.5)
     assert total_requests(stack.url) == before  # neither frame reached the engine
     assert "[rogue]" not in stack.log()
+
+
+@pytest.mark.parametrize(
+    "flag", ["--prefill-pool-address", "--decode-pool-address", "--kv-transfer-address"]
+)
+def test_pool_and_hand_off_sockets_beyond_loopback_need_the_flag(flag: str) -> None:
+    split = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-transfer", "tcp"]
+    run = subprocess.run(
+        [sys.executable, "-m", "engine_core", *split, flag, f"tcp://127.0.0.2:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and flag in run.stderr and "--expose-engine" in run.stderr
+
+
+LONG = " ".join(f"Item {i} of the inventory is a lamp." for i in range(60))
+
+
+def test_split_pools_across_hosts_speak_only_curve(smollm2_dir: Path, keys: Path) -> None:
+    """Pools and the KV hand-off beyond loopback: the workers' sockets, the engine's pool
+    sockets and the KV stream are Curve (the service could not serve otherwise), and a
+    plaintext peer posing as a worker is never heard."""
+    prefill_pool = f"tcp://127.0.0.2:{free_port()}"
+    flags = [
+        *engine_addresses("127.0.0.2"),
+        *("--expose-engine", "--curve-keys", str(keys)),
+        *("--prefill-workers", "1", "--decode-workers", "1", "--kv-transfer", "tcp"),
+        *("--prefill-pool-address", prefill_pool),
+        *("--decode-pool-address", f"tcp://127.0.0.2:{free_port()}"),
+        *("--kv-transfer-address", "tcp://127.0.0.2:0"),
+    ]
+    with TandemStack(*flags) as stack:
+        body = {"model": MODEL, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        transfers = httpx.get(f"{stack.url}/stats", timeout=10).json()["kv_transfers"]
+        assert transfers["outcomes"]["done"] == 1 and transfers["bytes"] > 0
+        # A plaintext DEALER claiming to be prefill worker 0 reports a failure: were it
+        # heard, the engine would take the pool down.
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.IDENTITY, b"worker-0")
+        rogue.connect(prefill_pool)
+        with contextlib.suppress(zmq.Again):
+            rogue.send(msgspec.msgpack.encode(WorkerFailed(0, "rogue")), zmq.NOBLOCK)
+        time.sleep(1.5)
+        rogue.close()
+        ctx.term()
+        assert httpx.get(f"{stack.url}/readyz", timeout=10).status_code == 200
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and "rogue" not in stack.log()
 
 
 def test_cors_answers_only_the_named_origins(
