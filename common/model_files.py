@@ -135,3 +135,10 @@ def ensure_converted(model: EmbeddedModel) -> Path:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+if __name__ == "__main__":  # python -m common.model_files NAME: convert now (image builds)
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(resolve_model_dir(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"))

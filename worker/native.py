@@ -1,18 +1,26 @@
 """Tandem's native CPU kernels (``worker/csrc/``), built once per machine with torch's
-C++ extension tooling (gcc and ninja) and cached under ``~/.cache/tandem/kernels`` (``$TANDEM_CACHE/kernels``).
+C++ extension tooling (gcc and ninja) and cached under ``~/.cache/tandem/kernels``
+(``$TANDEM_CACHE/kernels``).
 
-The build key covers the sources, the flags, the torch and Python versions and the CPU's
-instruction-set flags (the code is compiled for this CPU), so a cache copied to another
-machine is rebuilt rather than trusted. When the kernels cannot be built the worker falls
-back to its pure-PyTorch path (``--attention-backend auto``) or fails at start
-(``--attention-backend native``).
+They are compiled for the instruction-set level ``$TANDEM_KERNEL_ARCH`` names: ``native``
+(the default: this CPU, fastest) or a portable x86-64 level (``x86-64-v2``, ``-v3``,
+``-v4``) for a build that must run on other CPUs, as a container image's must. The
+build key covers the sources, the flags, the torch and Python versions and, for
+``native``, the CPU's instruction-set flags, so a native cache copied to another machine
+is rebuilt rather than trusted. A portable build is checked against the CPU at load: a
+CPU below the level is refused with an error naming the missing flags, never run into
+an illegal instruction. A finished build is imported directly, so a read-only image
+with no compiler loads what its build step made. When the kernels cannot be had the
+worker falls back to its pure-PyTorch path (``--attention-backend auto``) or fails at
+start (``--attention-backend native``).
 
-    python -m worker.native   # build now (``make setup`` does), print where
+    python -m worker.native   # build now (``make setup`` and the image build do), print where
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -36,9 +44,18 @@ SOURCES = [
     for name in ("module.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")
 ]
 HEADERS = [CSRC / "simd.h"]
-CFLAGS = [
+KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
+# The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on
+# top of the level below it (the psABI's micro-architecture levels).
+_LEVEL_FLAGS = {
+    "x86-64-v2": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
+_LEVELS = ("x86-64", *_LEVEL_FLAGS)
+BUILT_MARKER = "tandem_native.built"
+BASE_CFLAGS = [
     "-O3",
-    "-march=native",
     "-fopenmp",  # at::parallel_for is OpenMP in torch's CPU builds; without it, one thread
     # Let gcc vectorize the float reductions (dot products, sums); no NaN/Inf reliance.
     "-fno-math-errno",
@@ -91,13 +108,49 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_dir() -> Path:
+def kernel_arch() -> str:
+    """The instruction-set level to build for: ``native`` or a portable ``x86-64-vN``."""
+    arch = os.environ.get(KERNEL_ARCH_ENV, "native").strip() or "native"
+    if arch != "native" and arch not in _LEVELS:
+        raise ValueError(
+            f"{KERNEL_ARCH_ENV}={arch!r}: expected native or one of {', '.join(_LEVELS)}"
+        )
+    return arch
+
+
+def cflags(arch: str) -> list[str]:
+    return [BASE_CFLAGS[0], f"-march={arch}", *BASE_CFLAGS[1:]]
+
+
+def missing_cpu_flags(arch: str, cpu_flags: str) -> list[str]:
+    """The flags ``arch`` needs that ``cpu_flags`` (a /proc/cpuinfo flags line) lacks."""
+    if arch == "native" or platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    have = set(cpu_flags.split(":", 1)[-1].split())
+    needed = [f for level in _LEVELS[1 : _LEVELS.index(arch) + 1] for f in _LEVEL_FLAGS[level]]
+    return [f for f in needed if f not in have]
+
+
+def check_cpu_supports(arch: str) -> None:
+    missing = missing_cpu_flags(arch, _cpu_flags())
+    if missing:
+        raise RuntimeError(
+            f"the native kernels were built for {arch}, which this CPU does not support "
+            f"(missing: {', '.join(missing)}); rebuild them for it with "
+            f"{KERNEL_ARCH_ENV}=native python -m worker.native"
+        )
+
+
+def build_dir(arch: str | None = None) -> Path:
+    arch = arch or kernel_arch()
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
-    for part in (" ".join(CFLAGS), torch.__version__, sys.version, _cpu_flags()):
+    # A native build is only good for this CPU; a portable one for any CPU of its level.
+    cpu = _cpu_flags() if arch == "native" else ""
+    for part in (" ".join(cflags(arch)), torch.__version__, sys.version, cpu):
         key.update(part.encode())
-    return cache_root() / "kernels" / key.hexdigest()[:16]
+    return cache_root() / "kernels" / f"{arch}-{key.hexdigest()[:16]}"
 
 
 @contextmanager
@@ -119,24 +172,43 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = saved
 
 
+def _import_built(directory: Path) -> Any:
+    """Import a finished build without torch's JIT step, which wants ninja, a compiler
+    and a writable directory even when nothing changed."""
+    spec = importlib.util.spec_from_file_location("tandem_native", directory / "tandem_native.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the native kernels from {directory}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @cache
 def load_native_kernels() -> NativeKernels:
-    """The built module; raises if it cannot be built (no compiler, no ninja, ...).
-    Concurrent callers in several processes wait on the build's lock file."""
+    """The built module; raises if it cannot be built (no compiler, no ninja, ...) or
+    the CPU is below the level it was built for. Concurrent callers in several
+    processes wait on the build's lock file."""
     from torch.utils.cpp_extension import load
 
-    directory = build_dir()
+    arch = kernel_arch()
+    check_cpu_supports(arch)
+    directory = build_dir(arch)
+    if (directory / BUILT_MARKER).exists():
+        return _import_built(directory)
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with _ninja_on_path():
         module: Any = load(
             name="tandem_native",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(arch),
             build_directory=str(directory),
             verbose=False,
         )
-    logger.info("native kernels ready in %.1f s (%s)", time.monotonic() - started, directory)
+    (directory / BUILT_MARKER).write_text(arch + "\n")
+    logger.info(
+        "native kernels (%s) ready in %.1f s (%s)", arch, time.monotonic() - started, directory
+    )
     return module
 
 
