@@ -128,6 +128,11 @@ def ensure_converted(model: EmbeddedModel) -> Path:
             convert_gguf(gguf, staging, model.architecture)
             shutil.rmtree(parts, ignore_errors=True)
             (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+            # mkdtemp's 0700 (and the converter's 0600 files) would hide the model from
+            # other users: an image converts as root and serves as its own user.
+            staging.chmod(0o755)
+            for path in staging.iterdir():
+                path.chmod(0o644)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(staging, target)
