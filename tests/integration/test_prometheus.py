@@ -4,8 +4,6 @@ names this scrape saw."""
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.dashboard import dashboard, metric_names, split_row_panels
 from tests.stack import TandemStack, free_port
 from tests.system_packages import ensure_debian_package
 
@@ -27,9 +26,6 @@ class Scraped:
     url: str  # Prometheus' base URL
     requests: int  # requests sent to Tandem
     tokens: int  # completion tokens they produced
-
-
-DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem.json"
 
 
 @pytest.fixture(scope="module")
@@ -158,15 +154,13 @@ def test_dashboard_uses_only_scraped_metric_names(scraped: Scraped) -> None:
     )
     assert seen_requests == scraped.requests
     seen = metric_names_seen(scraped.url)
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    exprs.append(dashboard["templating"]["list"][1]["query"])
-    used = {
-        name for e in exprs for name in re.findall(r"\b(?:tandem:[a-z_]+|http_requests_total)\b", e)
-    }
+    split_only = metric_names(split_row_panels()) - metric_names(
+        [p for p in dashboard()["panels"] if p not in split_row_panels()]
+    )  # hand-off series exist only where pools are split (test_split_pools checks them)
+    used = metric_names() - split_only
     assert len(used) >= 12
     assert used <= seen, f"dashboard names never scraped: {sorted(used - seen)}"
-    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    titles = " ".join(p["title"] for p in dashboard()["panels"]).lower()
     for topic in (
         "first token",
         "inter-token",
@@ -176,5 +170,8 @@ def test_dashboard_uses_only_scraped_metric_names(scraped: Scraped) -> None:
         "kv cache",
         "prefix",
         "preemptions",
+        "per pool",
+        "hand-off",
+        "api-server process",
     ):
         assert topic in titles

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from common.shm import SHM_DIR
+from tests.dashboard import exported_names, metric_names, split_row_panels
 from tests.stack import TandemStack, free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -90,6 +91,10 @@ def test_operators_see_both_pools_and_the_hand_offs(smollm2_dir: Path, kv_transf
         if kv_transfer == "tcp":
             (bytes_line,) = metric_lines(stack.url, "kv_transfer_bytes_total")
             assert float(bytes_line.rsplit(" ", 1)[1]) > 0
+        # The dashboard's split-pool panels query only series this service exports.
+        exported = exported_names(httpx.get(f"{stack.url}/metrics").text)
+        wanted = metric_names(split_row_panels())
+        assert wanted and wanted <= exported, sorted(wanted - exported)
     assert segments() == before  # unlinked at shutdown
 
 
