@@ -1,0 +1,189 @@
+"""The deployment files validate with the tools their users run: hadolint for the
+Dockerfile, podman-compose for every compose profile, helm lint/template for every
+chart overlay and kubernetes-validate --strict for what it renders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.tools import ensure_helm, venv_tool
+
+DEPLOY = Path(__file__).parents[2] / "deploy"
+CHART = DEPLOY / "helm" / "tandem"
+COMPOSE = DEPLOY / "docker-compose.yml"
+SPLIT = {"api-server", "engine-core", "prefill-worker", "decode-worker"}
+PROFILES = {
+    "": {"tandem"},  # deploy/.env: unified by default
+    "split": SPLIT,
+    "split-tcp": {f"{s}-tcp" for s in SPLIT},
+    "monitoring": {"prometheus", "grafana"},
+}
+
+
+def run(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_hadolint_passes_the_dockerfile() -> None:
+    run(venv_tool("hadolint"), str(DEPLOY / "Dockerfile"))
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_each_compose_profile_validates(profile: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
+    if profile:
+        env["COMPOSE_PROFILES"] = profile
+    compose = [venv_tool("podman-compose"), "-f", COMPOSE.name]
+    run(*compose, "config", "-q", env=env, cwd=DEPLOY)
+    services = run(*compose, "config", "--services", env=env, cwd=DEPLOY).split()
+    assert set(services) == PROFILES[profile]
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+@pytest.mark.parametrize("suffix", ["", "-tcp"])
+def test_split_services_share_one_loopback_and_agree_on_addresses(suffix: str) -> None:
+    services = compose()["services"]
+    api = services[f"api-server{suffix}"]
+    env = api["environment"]
+    for name in ("engine-core", "prefill-worker", "decode-worker"):
+        service = services[name + suffix]
+        assert service["network_mode"] == f"service:api-server{suffix}"
+        # Docker shares /dev/shm by `ipc`; podman by the pod (x-podman: --share=ipc,net).
+        assert service.get("ipc") == ("service:api-server" if not suffix else None)
+        own = service["environment"]
+        assert {k: own[k] for k in env} == env  # the same engine and pool addresses
+    for pool in ("prefill", "decode"):
+        worker = services[f"{pool}-worker{suffix}"]["environment"]
+        assert worker["TANDEM_POOL"] == pool
+        assert worker["TANDEM_WORKER_ADDRESS"] == env[f"TANDEM_{pool.upper()}_POOL_ADDRESS"]
+    assert env["TANDEM_KV_TRANSFER"] == ("shm" if not suffix else "tcp")
+    addresses = [v for k, v in env.items() if k.endswith("_ADDRESS")]
+    assert addresses and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+    assert "--share=ipc,net" in compose()["x-podman"]["pod_args"]
+
+
+def test_prometheus_scrapes_every_deployment_that_serves_http() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    serving = {
+        f"{name}:8000"
+        for name, s in compose()["services"].items()
+        if ":8000" in str(s.get("ports"))
+    }
+    assert targets == serving
+
+
+def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:
+    services = compose()["services"]
+    mounts = " ".join(services["grafana"]["volumes"])
+    assert "./grafana/tandem.json:/var/lib/grafana/dashboards/tandem.json" in mounts
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/tandem.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    for name in ("prometheus", "grafana"):  # pinned, never :latest
+        image = services[name]["image"]
+        assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")
+
+
+OVERLAYS = {
+    "unified": [],
+    "split": ["values-split.yaml"],
+    "decode+prefill": ["values-decode.yaml", "values-prefill.yaml"],
+    "decode": ["values-decode.yaml"],
+    "prefill": ["values-prefill.yaml"],
+}
+EVERYTHING = [
+    "apiKeys.keys={key-one-0001,key-two-0002}",
+    "autoscaling.enabled=true",
+    "gpu.enabled=true",
+    "serviceMonitor.enabled=true",
+    "curveKeys.existingSecret=tandem-curve",
+]
+
+
+def render(files: list[str], sets: list[str]) -> list[dict[str, Any]]:
+    argv = [ensure_helm(), "template", "t", str(CHART)]
+    for f in files:
+        argv += ["-f", str(CHART / f)]
+    for s in sets:
+        argv += ["--set", s]
+    return [doc for doc in yaml.safe_load_all(run(*argv)) if doc]
+
+
+@pytest.mark.parametrize("overlay", list(OVERLAYS))
+@pytest.mark.parametrize("extras", [[], EVERYTHING], ids=["defaults", "everything"])
+def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_path: Path) -> None:
+    files = OVERLAYS[overlay]
+    sets = extras or (
+        ["curveKeys.existingSecret=k"] if "prefill" in overlay or "decode" in overlay else []
+    )
+    lint = [ensure_helm(), "lint", "--strict", str(CHART)]
+    for f in files:
+        lint += ["-f", str(CHART / f)]
+    for s in sets:
+        lint += ["--set", s]
+    run(*lint)
+    docs = render(files, sets)
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("Deployment") == (2 if overlay == "decode+prefill" else 1)
+    # ServiceMonitor is a CRD (Prometheus Operator): not in the core schemas.
+    core = [d for d in docs if d["kind"] != "ServiceMonitor"]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(core))
+    run(venv_tool("kubernetes-validate"), "--strict", str(manifest))
+    if extras:
+        assert "ServiceMonitor" in kinds and "Secret" in kinds
+        assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split"))
+    (config,) = (d for d in docs if d["kind"] == "ConfigMap")
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        shutdown_s = int(config["data"]["TANDEM_SHUTDOWN_TIMEOUT"])
+        check_pod(deployment["spec"]["template"]["spec"], "gpu.enabled=true" in extras, shutdown_s)
+
+
+def check_pod(pod: dict[str, Any], gpu: bool, shutdown_s: int) -> None:
+    """What every Tandem pod must have, whichever overlay made it."""
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for c in pod["containers"]:
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert any(m["mountPath"] == "/dev/shm" for m in c["volumeMounts"])
+        assert ("nvidia.com/gpu" in c["resources"].get("limits", {})) == (
+            gpu and ("worker" in c["name"] or c["name"] == "tandem")
+        )
+    serving = [c for c in pod["containers"] if "readinessProbe" in c]
+    if serving:
+        (api,) = serving
+        assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert api["livenessProbe"]["httpGet"]["path"] == "/livez"
+        assert api["startupProbe"]["httpGet"]["path"] == "/readyz"  # the model is loaded
+        pause = api["lifecycle"]["preStop"]["exec"]["command"]  # leave the Service first
+        assert pause[0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] >= int(pause[1]) + shutdown_s
+
+
+def test_the_schema_refuses_a_bad_topology() -> None:
+    done = subprocess.run(
+        [ensure_helm(), "template", "t", str(CHART), "--set", "topology=sideways"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "topology" in done.stderr
