@@ -42,6 +42,7 @@ from common.messages import (
 from common.model_files import resolve_model_dir
 from common.process import die_with_parent, release_free_memory
 from common.shm import segment_name
+from worker.engine_link import EngineLink, enable_heartbeats
 
 logger = logging.getLogger(__name__)
 
@@ -167,19 +168,28 @@ def run_worker(
     keys = CurveKeys(config.addresses.curve_keys) if config.addresses.curve_keys else None
     auth = keys.start_authenticator(ctx) if keys else None
     secure = keys.make_client if keys else None
+    external = config.disagg.external_workers
+
+    def secure_and_watch(s: zmq.Socket[Any]) -> None:
+        if secure is not None:
+            secure(s)
+        if external:
+            enable_heartbeats(s)
+
     sock = make_socket(
         ctx,
         zmq.DEALER,
         engine_address,
         bind=False,
         identity=f"worker-{rank}".encode(),
-        secure=secure,
+        secure=secure_and_watch,
     )
+    link = EngineLink(sock) if external else None
     codec: Codec[WorkerInput] = Codec(WorkerInput)
     stop_heartbeats = threading.Event()
     runner: Any = None
     notify: zmq.Socket[bytes] | None = None
-    if config.disagg.external_workers:
+    if external:
         threading.Thread(
             target=_heartbeats,
             args=(ctx, engine_address, rank, stop_heartbeats, secure),
@@ -201,6 +211,8 @@ def run_worker(
         sock.send(codec.encode(ready))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if link is not None:
+            poller.register(link.events, zmq.POLLIN)
         if receiver is not None:
             from worker.kv_transfer import NOTIFY_ADDRESS
 
@@ -219,6 +231,13 @@ def run_worker(
                 if results:
                     sock.send(codec.encode(KVTransferStatus(rank, results)))
             if sock not in ready_socks:
+                if link is not None and link.lost():
+                    logger.error(
+                        "worker %d: the engine at %s went away; exiting for a restart",
+                        rank,
+                        engine_address,
+                    )
+                    return 1
                 if term.passed:
                     logger.info("worker %d: shutdown deadline passed; exiting", rank)
                     return 0
@@ -244,6 +263,8 @@ def run_worker(
             runner.close()
         if notify is not None:
             notify.close()
+        if link is not None:
+            link.close()
         sock.close()
         if auth is not None:
             auth.stop()

@@ -202,12 +202,17 @@ def test_every_process_by_its_own_command(smollm2_dir: Path, tmp_path: Path) -> 
             time.sleep(0.1)
         assert time.monotonic() - killed < 6  # the heartbeat timeout, 3 s, plus a margin
         assert engine.wait(timeout=30) != 0
+        # The prefill worker does not outlive its engine: told to stop on the engine's
+        # way out, or noticing it gone (tests/unit/test_engine_link.py), it exits, and its
+        # supervisor (compose, Kubernetes) restarts it against the next engine.
+        assert workers[0].wait(timeout=15) is not None  # stopped by the engine, or on losing it
     finally:
         for proc in (api, engine):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in workers:  # a worker started apart outlives its engine: its supervisor
-            proc.kill()  # (compose, Kubernetes) restarts the deployment
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
         for proc in (api, engine, *workers):
             try:
                 proc.wait(timeout=40)
