@@ -262,6 +262,8 @@ class DisaggConfig:
     # shm only while the prefill pool is busy). 0 = always hand off.
     disagg_min_prompt_tokens: int = 32
     worker_threads: int | None = None  # per worker process; None: cores / worker processes
+    prefill_threads: int | None = None  # per prefill worker; None: worker_threads' rule
+    decode_threads: int | None = None  # per decode worker; None: worker_threads' rule
     # The engine binds these for its pools; a worker by its own command connects to one.
     external_workers: bool = False  # the engine waits for workers started apart
     unified_pool_address: str = ""
@@ -292,10 +294,12 @@ class DisaggConfig:
         _require(
             self.disagg_min_prompt_tokens >= 0, "--disagg-min-prompt-tokens must not be negative"
         )
-        _require(
-            self.worker_threads is None or self.worker_threads >= 1,
-            f"--worker-threads must be at least 1, got {self.worker_threads}",
-        )
+        for flag, threads in (
+            ("--worker-threads", self.worker_threads),
+            ("--prefill-threads", self.prefill_threads),
+            ("--decode-threads", self.decode_threads),
+        ):
+            _require(threads is None or threads >= 1, f"{flag} must be at least 1, got {threads}")
         _require(
             self.kv_transfer_address.startswith("tcp://"),
             "--kv-transfer-address must be tcp://HOST:PORT",
@@ -315,8 +319,12 @@ class DisaggConfig:
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.split else ("unified",)
 
-    def threads_per_worker(self) -> int:
-        """``--worker-threads``, else this machine's cores shared by the worker processes."""
+    def threads_per_worker(self, pool: str = "unified") -> int:
+        """The pool's own flag (``--prefill-threads``/``--decode-threads``), else
+        ``--worker-threads``, else this machine's cores shared by the worker processes."""
+        own = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(pool)
+        if own is not None:
+            return own
         if self.worker_threads is not None:
             return self.worker_threads
         workers = self.prefill_workers + self.decode_workers if self.split else 1

@@ -120,7 +120,7 @@ def _build_runner(
     from worker.kv_transfer import KVReceiver, KVSender
     from worker.model_runner import ModelRunner
 
-    torch.set_num_threads(config.disagg.threads_per_worker())
+    torch.set_num_threads(config.disagg.threads_per_worker(str(pool)))
     device = pick_device()
     dtype = resolve_dtype(config.model.dtype, device)
     disagg = config.disagg

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from common.cli_args import parse_config
@@ -52,3 +54,14 @@ def test_configs_are_frozen() -> None:
     config = parse_config([])
     with pytest.raises(AttributeError):
         config.scheduler.max_num_seqs = 3  # type: ignore[misc]
+
+
+def test_each_pool_may_have_its_own_thread_count() -> None:
+    split = ["--model", "m", "--prefill-workers", "1", "--decode-workers", "1"]
+    config = parse_config([*split, "--prefill-threads", "3", "--worker-threads", "2"]).disagg
+    assert (config.threads_per_worker("prefill"), config.threads_per_worker("decode")) == (3, 2)
+    config = parse_config([*split, "--decode-threads", "1"]).disagg
+    assert config.threads_per_worker("decode") == 1
+    assert config.threads_per_worker("prefill") == max(1, (os.cpu_count() or 1) // 2)
+    with pytest.raises(SystemExit):
+        parse_config([*split, "--decode-threads", "0"])
