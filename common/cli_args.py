@@ -278,11 +278,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "off (default: %(default)s)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="worker processes of the (unified) pool, each holding a shard of every layer "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA) (default: %(default)s)",
+    )
+    p.add_argument(
         "--worker-threads",
+        "--threads-per-rank",
         type=int,
         default=None,
-        help="compute threads per worker process (default: this machine's cores divided "
-        "among the worker processes)",
+        help="compute threads per worker process / tensor-parallel rank (default: this "
+        "machine's cores divided among the worker processes)",
     )
     for pool in ("prefill", "decode"):
         p.add_argument(

@@ -261,6 +261,7 @@ class DisaggConfig:
     # Prompts whose uncached part is shorter are prefilled in the decode pool (tcp; with
     # shm only while the prefill pool is busy). 0 = always hand off.
     disagg_min_prompt_tokens: int = 32
+    tensor_parallel_size: int = 1  # ranks of the unified pool, each holding a shard
     worker_threads: int | None = None  # per worker process; None: cores / worker processes
     prefill_threads: int | None = None  # per prefill worker; None: worker_threads' rule
     decode_threads: int | None = None  # per decode worker; None: worker_threads' rule
@@ -294,6 +295,14 @@ class DisaggConfig:
         _require(
             self.disagg_min_prompt_tokens >= 0, "--disagg-min-prompt-tokens must not be negative"
         )
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}",
+        )
+        _require(
+            self.tensor_parallel_size == 1 or not self.split,
+            "--tensor-parallel-size applies to a unified pool; split pools run one rank each",
+        )
         for flag, threads in (
             ("--worker-threads", self.worker_threads),
             ("--prefill-threads", self.prefill_threads),
@@ -314,7 +323,11 @@ class DisaggConfig:
         return self.prefill_workers > 0
 
     def num_workers(self, pool: str) -> int:
-        return {"unified": 1, "prefill": self.prefill_workers, "decode": self.decode_workers}[pool]
+        return {
+            "unified": self.tensor_parallel_size,
+            "prefill": self.prefill_workers,
+            "decode": self.decode_workers,
+        }[pool]
 
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.split else ("unified",)
@@ -328,6 +341,7 @@ class DisaggConfig:
         if self.worker_threads is not None:
             return self.worker_threads
         workers = self.prefill_workers + self.decode_workers if self.split else 1
+        workers *= self.tensor_parallel_size  # threads per rank: cores / ranks
         return max(1, (os.cpu_count() or 1) // workers)
 
 

@@ -80,3 +80,12 @@ def make_runtime_dir() -> str:
 
 def ipc_address(runtime_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(runtime_dir, name + '.sock')}"
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for a rendezvous address handed to children)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

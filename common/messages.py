@@ -354,6 +354,9 @@ class SchedulerOutput(_Wire, tag=True):
     kv_sends: list[KVSend] = []
     kv_receives: list[KVReceive] = []
     kv_cancels: list[str] = []  # transfer ids: drop whatever arrives for them
+    # Tensor parallelism: what rank 0 sampled in the pool's previous step, for the other
+    # ranks (which do not sample) to append to their requests before this step.
+    prev_sampled: dict[str, int] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -21,11 +21,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from common.config import TandemConfig
 from common.curve import CurveKeys
-from common.ipc import Codec, ipc_address, make_socket
+from common.ipc import Codec, free_tcp_port, ipc_address, make_socket
 from common.messages import (
     KVTransferResult,
     KVTransferStatus,
@@ -86,12 +87,18 @@ class WorkerPool:
         self._heard: dict[int, float] = {}
         self._results: dict[bytes, ModelRunnerOutput] = {}
         self._in_flight: SchedulerOutput | None = None
+        # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here.
+        self._tensor_parallel = role == PoolRole.UNIFIED and num_workers > 1
+        self._last_sampled: dict[str, int] = {}
         if self._external:
             logger.info(
                 "pool %s: waiting for %d worker(s) at %s", self.name, num_workers, self.address
             )
             return
         env = worker_env()
+        group = (
+            ["--tp-init-address", f"tcp://127.0.0.1:{free_tcp_port()}"] if num_workers > 1 else []
+        )
         for rank, identity in enumerate(self._identities):
             args = [
                 *config.to_cli_args(),
@@ -101,6 +108,7 @@ class WorkerPool:
                 str(rank),
                 "--worker-address",
                 self.address,
+                *group,
             ]
             proc = start_module("worker", args, env=env)
             self._procs[identity] = proc
@@ -141,6 +149,8 @@ class WorkerPool:
             raise RuntimeError(
                 f"pool {self.name} already has step {self._in_flight.step_id} in flight"
             )
+        if self._tensor_parallel:
+            step = msgspec.structs.replace(step, prev_sampled=self._last_sampled)
         frame = self._codec.encode(step)
         for identity in self._identities:
             self._sock.send_multipart([identity, frame])
@@ -163,6 +173,11 @@ class WorkerPool:
         if self._in_flight is not None and len(self._results) == len(self._identities):
             events.result = self._results[self._identities[0]]
             events.transfers += events.result.kv_results
+            if self._tensor_parallel:
+                result = events.result
+                self._last_sampled = dict(
+                    zip(result.request_ids, result.sampled_token_ids, strict=True)
+                )
             self._in_flight = None
         return events
 
@@ -194,6 +209,8 @@ class WorkerPool:
         if isinstance(message, WorkerHeartbeat):
             self._heard[message.rank] = time.monotonic()
         if isinstance(message, WorkerFailed):
+            # A rank that died mid-collective breaks its peers' step: name the dead one.
+            self.check_alive()
             raise WorkerDied(f"{self._who(identity)} failed: {message.error}")
         return identity, message
 

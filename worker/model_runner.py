@@ -32,6 +32,7 @@ from worker.kv_memory import SharedCaches, local_caches
 from worker.kv_transfer import KVReceiver, KVSender
 from worker.models.loader import load_model, read_hf_config
 from worker.ops import pick_ops
+from worker.parallel import TensorParallel
 from worker.sampler import SamplingBatch, sample
 from worker.structured import GrammarMatcher, StructuredOutputs
 
@@ -82,13 +83,16 @@ class ModelRunner:
         max_model_len: int | None,
         attention_backend: AttentionBackend = "auto",
         kv_segment: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         """``kv_segment``: map the KV caches from this shared-memory segment (split pools
-        with ``--kv-transfer shm``) instead of allocating them here."""
+        with ``--kv-transfer shm``) instead of allocating them here. ``tp``: this rank's
+        place in its pool's tensor-parallel group (it holds and caches its shard only)."""
         self.device = device
+        self.tp = tp or TensorParallel()
         self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
-        self.model = load_model(model_dir, dtype, device, self.ops)
+        self.model = load_model(model_dir, dtype, device, self.ops, self.tp)
         self.model_info = read_model_info(model_dir, max_model_len)
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype
@@ -136,7 +140,9 @@ class ModelRunner:
         self.execute(SchedulerOutput(-2, [warm], [], {"warmup": prompt_len}, []))
         if len(blocks) * self.block_size > prompt_len:
             decode = CachedRequestData("warmup", [], prompt_len)
-            self.execute(SchedulerOutput(-1, [], [decode], {"warmup": 1}, []))
+            # Ranks > 0 did not sample: any token keeps every rank's shapes equal.
+            step = SchedulerOutput(-1, [], [decode], {"warmup": 1}, [], prev_sampled={"warmup": 0})
+            self.execute(step)
         self.requests.clear()
 
     def attach_transfer(
@@ -188,6 +194,11 @@ class ModelRunner:
         return output
 
     def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if self.tp.rank > 0:  # rank 0 sampled these last step; this rank did not
+            for request_id, token in step.prev_sampled.items():
+                state = self.requests.get(request_id)
+                if state is not None:
+                    state.token_ids.append(token)
         self._update_states(step)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -221,6 +232,8 @@ class ModelRunner:
             return ModelRunnerOutput(step.step_id, [], [])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.tp.rank > 0:  # its logits shard went into rank 0's gather; rank 0 samples
+            return ModelRunnerOutput(step.step_id, [], [])
         states = [self.requests[r] for r in sample_ids]
         for state in states:
             if state.generator is not None and state.sampling_params.seed is not None:

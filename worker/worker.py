@@ -112,18 +112,28 @@ def _heartbeats(
 
 
 def _build_runner(
-    config: TandemConfig, pool: PoolRole, ctx: zmq.Context[Any], keys: CurveKeys | None
+    config: TandemConfig,
+    pool: PoolRole,
+    rank: int,
+    tp_init_address: str | None,
+    ctx: zmq.Context[Any],
+    keys: CurveKeys | None,
 ) -> Any:
     import torch
 
     from worker.device import pick_device, resolve_dtype
     from worker.kv_transfer import KVReceiver, KVSender
     from worker.model_runner import ModelRunner
+    from worker.parallel import init_group
 
     torch.set_num_threads(config.disagg.threads_per_worker(str(pool)))
     device = pick_device()
     dtype = resolve_dtype(config.model.dtype, device)
     disagg = config.disagg
+    ranks = disagg.tensor_parallel_size if pool == PoolRole.UNIFIED else 1
+    if ranks > 1 and not tp_init_address:
+        raise ValueError("--tensor-parallel-size > 1 needs --tp-init-address (the engine sets it)")
+    tp = init_group(rank, ranks, tp_init_address or "", device)
     shares_kv = disagg.split and disagg.kv_transfer == "shm"
     runner = ModelRunner(
         resolve_model_dir(config.model.model),
@@ -133,6 +143,7 @@ def _build_runner(
         config.model.max_model_len,
         config.model.attention_backend,
         segment_name(disagg.service_id, "kv") if shares_kv else None,
+        tp,
     )
     if disagg.split and disagg.kv_transfer == "tcp":
         if pool == PoolRole.PREFILL:
@@ -154,7 +165,11 @@ def _build_runner(
 
 
 def run_worker(
-    config: TandemConfig, rank: int, engine_address: str, pool: PoolRole = PoolRole.UNIFIED
+    config: TandemConfig,
+    rank: int,
+    engine_address: str,
+    pool: PoolRole = PoolRole.UNIFIED,
+    tp_init_address: str | None = None,
 ) -> int:
     for key, value in SHAPE_CACHE_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -197,7 +212,7 @@ def run_worker(
             daemon=True,
         ).start()
     try:
-        runner = _build_runner(config, pool, ctx, keys)
+        runner = _build_runner(config, pool, rank, tp_init_address, ctx, keys)
         receiver = runner.kv_receiver
         ready = WorkerReady(
             rank,
@@ -261,6 +276,9 @@ def run_worker(
         stop_heartbeats.set()
         if runner is not None:
             runner.close()
+            from worker.parallel import destroy_group
+
+            destroy_group(runner.tp)
         if notify is not None:
             notify.close()
         if link is not None:
@@ -290,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=[str(role) for role in PoolRole],
         help="the pool this worker serves (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tp-init-address",
+        default=None,
+        help="tensor parallelism: the ranks' torch.distributed rendezvous (tcp://HOST:PORT)",
+    )
     apply_env_defaults(parser)  # TANDEM_POOL, TANDEM_RANK, TANDEM_WORKER_ADDRESS too
     args = parser.parse_args(argv)
     if not args.worker_address:
@@ -298,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     pool = PoolRole[args.pool.upper()]
     name = f"worker-{args.rank}" if pool == PoolRole.UNIFIED else f"{pool}-worker-{args.rank}"
     setup_logging(config.server.log_level, name)
-    sys.exit(run_worker(config, args.rank, args.worker_address, pool))
+    sys.exit(run_worker(config, args.rank, args.worker_address, pool, args.tp_init_address))
 
 
 if __name__ == "__main__":

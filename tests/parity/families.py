@@ -48,6 +48,14 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             }
         },
     ),
+    # One KV head for four q heads: at tensor-parallel size 2 every rank holds it.
+    "llama-mqa": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 1}),
+    # Three GQA groups of two (SmolLM2's shape in small): 2 ranks hold 1 and 2 groups.
+    "llama-gqa3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16},
+    ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     "gemma3": (

@@ -65,3 +65,18 @@ def test_each_pool_may_have_its_own_thread_count() -> None:
     assert config.threads_per_worker("prefill") == max(1, (os.cpu_count() or 1) // 2)
     with pytest.raises(SystemExit):
         parse_config([*split, "--decode-threads", "0"])
+
+
+def test_tensor_parallel_size_makes_the_unified_pool_that_many_ranks() -> None:
+    config = parse_config(["--model", "m", "--tensor-parallel-size", "2"]).disagg
+    assert config.num_workers("unified") == 2
+    assert config.threads_per_worker("unified") == max(1, (os.cpu_count() or 1) // 2)
+    assert (
+        parse_config(
+            ["--model", "m", "-tp", "2", "--threads-per-rank", "3"]
+        ).disagg.threads_per_worker()
+        == 3
+    )
+    for bad in (["-tp", "0"], ["-tp", "2", "--prefill-workers", "1", "--decode-workers", "1"]):
+        with pytest.raises(SystemExit):
+            parse_config(["--model", "m", *bad])

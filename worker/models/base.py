@@ -9,6 +9,7 @@ from torch import nn
 
 from worker.attention import AttentionMetadata
 from worker.ops import Ops
+from worker.parallel import TensorParallel
 
 
 class CausalLM(nn.Module):
@@ -18,7 +19,9 @@ class CausalLM(nn.Module):
     is applied only to the rows that are sampled. Every layer computes through ``ops``.
     """
 
-    def __init__(self, hf_config: dict[str, Any], ops: Ops) -> None:
+    def __init__(
+        self, hf_config: dict[str, Any], ops: Ops, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
 
     @property
@@ -32,6 +35,14 @@ class CausalLM(nn.Module):
 
     def fuse(self) -> None:
         """Repack loaded weights for speed (e.g. q/k/v into one matmul); optional."""
+
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """Tensor parallelism: (dim, start, length) of this rank's slice of checkpoint
+        tensor ``name``, or None where the rank holds all of it (``worker/parallel.py``)."""
+        return None
+
+    def drop_replicated_biases(self) -> None:
+        """Tensor parallelism, after loading: zero the biases only rank 0 may add."""
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache holding ``num_slots`` tokens."""

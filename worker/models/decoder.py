@@ -14,6 +14,7 @@ from worker.attention import AttentionMetadata, paged_attention
 from worker.models.base import CausalLM
 from worker.models.layers import GatedMLP, RMSNorm, RopeSpec, RotaryEmbedding, fuse_linears
 from worker.ops import Ops
+from worker.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -72,25 +73,25 @@ class DecoderArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: DecoderArgs, layer: int, ops: Ops) -> None:
+    """This rank's heads (all of them without tensor parallelism); the output projection
+    sums over every rank's heads."""
+
+    def __init__(self, args: DecoderArgs, layer: int, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        heads = tp.heads(args.num_heads, args.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         self.head_dim = args.head_dim
+        self.tp = tp
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.window = args.layer_windows[layer] if args.layer_windows else None
         self.ops = ops
         # Loaded as q/k/v_proj (checkpoint names); fuse() packs them into qkv_proj.
-        self.q_proj: nn.Linear | None = nn.Linear(
-            args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias
-        )
-        self.k_proj: nn.Linear | None = nn.Linear(
-            args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias
-        )
-        self.v_proj: nn.Linear | None = nn.Linear(
-            args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias
-        )
+        q_size, kv_size = self.num_heads * args.head_dim, self.num_kv_heads * args.head_dim
+        self.q_proj: nn.Linear | None = nn.Linear(args.hidden_size, q_size, bias=args.qkv_bias)
+        self.k_proj: nn.Linear | None = nn.Linear(args.hidden_size, kv_size, bias=args.qkv_bias)
+        self.v_proj: nn.Linear | None = nn.Linear(args.hidden_size, kv_size, bias=args.qkv_bias)
         self.qkv_proj: nn.Linear | None = None
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if args.qk_norm:
@@ -124,19 +125,21 @@ class Attention(nn.Module):
             qk = qkv[:, : heads + kv_heads]  # q and k in one go
         q, k = self.ops.rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.ops, self.scale, self.window)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: DecoderArgs, layer: int, ops: Ops) -> None:
+    def __init__(self, args: DecoderArgs, layer: int, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
         gemma = args.norm == "gemma"
+        self.tp = tp
 
         def norm() -> RMSNorm:
             return RMSNorm(args.hidden_size, args.rms_norm_eps, ops, gemma)
 
-        self.self_attn = Attention(args, layer, ops)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.activation, ops)
+        self.self_attn = Attention(args, layer, ops, tp)
+        intermediate = tp.rows(args.intermediate_size)[1]
+        self.mlp = GatedMLP(args.hidden_size, intermediate, args.activation, ops)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.sandwich = args.sandwich_norms
@@ -155,16 +158,20 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         if not self.sandwich:
             x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-            return x + self.mlp(h)
+            return x + self._mlp(h)
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x)))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.mlp(h))  # down_proj's rows summed over the ranks
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: DecoderArgs, ops: Ops) -> None:
+    def __init__(self, args: DecoderArgs, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, ops) for i in range(args.num_layers))
+        vocab = tp.split(args.vocab_size, "vocabulary")
+        self.embed_tokens = nn.Embedding(vocab, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ops, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, args.norm == "gemma")
 
 
@@ -177,14 +184,18 @@ class DecoderLM(CausalLM):
         """Each family overrides this to read its config.json."""
         return DecoderArgs(**DecoderArgs.common(cfg))
 
-    def __init__(self, hf_config: dict[str, Any], ops: Ops) -> None:
-        super().__init__(hf_config, ops)
+    def __init__(
+        self, hf_config: dict[str, Any], ops: Ops, tp: TensorParallel | None = None
+    ) -> None:
+        super().__init__(hf_config, ops, tp)
         self.args = args = self.parse_config(hf_config)
-        self.model = DecoderModel(args, ops)
+        self.tp = tp = tp or TensorParallel()
+        self.model = DecoderModel(args, ops, tp)
         self.rotary = nn.ModuleDict(
             {name: RotaryEmbedding(args.head_dim, spec) for name, spec in args.ropes.items()}
         )
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.vocab_per_rank = tp.split(args.vocab_size, "vocabulary")
+        self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False)
 
     @property
     def num_layers(self) -> int:
@@ -204,7 +215,43 @@ class DecoderLM(CausalLM):
         )
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        return (2, num_slots, self.args.num_kv_heads, self.args.head_dim)
+        kv_heads = self.tp.heads(self.args.num_heads, self.args.num_kv_heads).kv_count
+        return (2, num_slots, kv_heads, self.args.head_dim)
+
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of this rank's slice of checkpoint tensor ``name``;
+        None where every rank holds the whole tensor."""
+        tp, a = self.tp, self.args
+        if tp.size == 1:
+            return None
+        heads = tp.heads(a.num_heads, a.num_kv_heads)
+        q = (heads.q_first * a.head_dim, heads.q_count * a.head_dim)
+        kv = (heads.kv_first * a.head_dim, heads.kv_count * a.head_dim)
+        inter = tp.rows(a.intermediate_size)
+        suffix = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return 0, tp.rank * self.vocab_per_rank, self.vocab_per_rank
+        if suffix == "q_proj":
+            return 0, *q
+        if suffix in ("k_proj", "v_proj"):
+            return 0, *kv
+        if suffix in ("gate_proj", "up_proj"):
+            return 0, *inter
+        if name.endswith("o_proj.weight"):
+            return 1, *q
+        if name.endswith("down_proj.weight"):
+            return 1, *inter
+        return None  # norms, and o_proj's bias (added once: on rank 0, see below)
+
+    def drop_replicated_biases(self) -> None:
+        """After loading: a bias after a row-split projection is added by rank 0 alone,
+        or the all-reduce would add it once per rank."""
+        if self.tp.rank == 0:
+            return
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
+            if layer.self_attn.o_proj.bias is not None:
+                layer.self_attn.o_proj.bias.data.zero_()
 
     def forward(
         self,
@@ -213,7 +260,7 @@ class DecoderLM(CausalLM):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.args.embed_scale is not None:
             # float32 first, then the model dtype: the same rounding as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=torch.float32, device=x.device).to(
@@ -225,8 +272,18 @@ class DecoderLM(CausalLM):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        # This rank's rows of the vocabulary; the others' tokens are zeros here and are
+        # filled in by the all-reduce (exact: each row is one rank's value plus zeros).
+        local = input_ids - self.tp.rank * self.vocab_per_rank
+        mine = (local >= 0) & (local < self.vocab_per_rank)
+        x = self.model.embed_tokens(local.clamp(0, self.vocab_per_rank - 1))
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.tp.gather_columns(self.lm_head(hidden))
         if self.args.final_softcap is not None:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits

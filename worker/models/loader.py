@@ -17,6 +17,7 @@ from worker.models.base import CausalLM
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.models.registry import model_class_for
 from worker.ops import Ops, TorchOps
+from worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,18 @@ def _open_weights(path: Path) -> Iterator[Any]:
         yield f
 
 
-def _read_tensor(f: Any, name: str, path: Path) -> torch.Tensor:
+def _read_tensor(
+    f: Any, name: str, path: Path, shard: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """The tensor, or only this rank's slice of it (read from disk as a slice)."""
     try:
-        tensor: torch.Tensor = f.get_tensor(name)
+        if shard is None:
+            tensor: torch.Tensor = f.get_tensor(name)
+        else:
+            dim, start, length = shard
+            view = f.get_slice(name)
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            tensor = view[index]
     except Exception as e:
         raise ValueError(f"cannot read weight {name} from {path} (truncated?): {e}") from None
     return tensor
@@ -63,15 +73,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     ops: Ops | None = None,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Build the model named by ``architectures`` on ``ops`` (default: PyTorch ops) and
-    fill every parameter from disk.
+    fill every parameter from disk (with ``tp``, this rank's shard of each).
 
     Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
     """
     config = read_hf_config(model_dir)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
-        model = model_class_for(config)(config, ops or TorchOps())
+        model = model_class_for(config)(config, ops or TorchOps(), tp or TensorParallel())
     model = model.to_empty(device=device).to(dtype)
     expected = dict(model.named_parameters())
     tied = model.tied_weights
@@ -83,7 +94,7 @@ def load_model(
                     param = expected.get(name)
                     if param is None:
                         continue  # e.g. rotary inv_freq buffers saved by old exports
-                    tensor = _read_tensor(f, name, path)
+                    tensor = _read_tensor(f, name, path, model.shard_of(name))
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
                             f"weight {name} in {path.name} has shape {tuple(tensor.shape)}, "
@@ -102,6 +113,7 @@ def load_model(
             f"weight {missing[0]} (expected shape {shape}) is missing from {model_dir}"
             + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
+    model.drop_replicated_biases()
     model.fuse()
     if can_pack(dtype, device):
         logger.info("prepacked %d linear layers for oneDNN (bfloat16)", pack_linears(model))
