@@ -22,6 +22,7 @@ from common.messages import CachedRequestData, NewRequestData, SamplingParams, S
 from common.model_files import resolve_model_dir
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
+from worker.parallel import TensorParallel
 
 CONTEXT = 128
 PREFILL = 512
@@ -45,10 +46,15 @@ def timed_pair(
 
 
 class TandemSide:
-    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_dir: str, dtype: torch.dtype, tp: TensorParallel | None = None
+    ) -> None:
+        """``tp``: this process is one rank (``bench/tensor_parallel.py``); ranks > 0 do
+        not learn the sampled tokens here, so they recompute the last position: the same
+        shapes and collectives as rank 0, which is all the timing needs."""
         cache = CacheConfig(num_kv_blocks=((CONTEXT + 64) // 16 + 1) * 32 + PREFILL // 16 + 8)
         self.runner = ModelRunner(
-            resolve_model_dir(model_dir), dtype, torch.device("cpu"), cache, None
+            resolve_model_dir(model_dir), dtype, torch.device("cpu"), cache, None, tp=tp
         )
         self.step_id = 0
 
@@ -143,8 +149,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        help="instead: Tandem's decode step at these tensor-parallel sizes, with the time "
+        "spent in collectives (bench/tensor_parallel.py)",
+    )
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.tp:
+        report_tensor_parallel(args.model, dtype, args.tp, args.repeats)
+        return
     tandem, hf = TandemSide(args.model, dtype), TransformersSide(args.model, dtype)
     rows, results = [], {}
     for batch in (1, 8, 32):
@@ -170,6 +186,33 @@ def main() -> None:
         f"\n{args.model}, {dtype_name}, {torch.get_num_threads()} threads; decode with {CONTEXT}-token contexts; Tandem: {backend}\n"
     )
     print_table(["measure", "Tandem (ms | tok/s)", "transformers", "Tandem speedup"], rows)
+    print(f"\nJSON: {path}")
+
+
+def report_tensor_parallel(model: str, dtype: torch.dtype, sizes: list[int], repeats: int) -> None:
+    from bench.tensor_parallel import measure
+
+    found = measure(model, dtype, sizes, repeats)
+    rows = [
+        [
+            f"TP {size}, batch {batch}",
+            1000 * r["step_s"],
+            1000 * r["comm_s"],
+            f"{100 * r['comm_s'] / r['step_s']:.0f}%",
+            f"{found[sizes[0]][batch]['step_s'] / r['step_s']:.2f}x",
+        ]
+        for size, by_batch in found.items()
+        for batch, r in by_batch.items()
+    ]
+    dtype_name = str(dtype).removeprefix("torch.")
+    path = write_results(
+        f"forward-tp-{model}-{dtype_name}",
+        {"model": model, "dtype": dtype_name, "context": CONTEXT, "results": found},
+    )
+    print(
+        f"\n{model}, {dtype_name}; decode with {CONTEXT}-token contexts; threads = cores / ranks\n"
+    )
+    print_table(["measure", "step ms", "collectives ms", "share", f"speed vs TP {sizes[0]}"], rows)
     print(f"\nJSON: {path}")
 
 
