@@ -160,6 +160,9 @@ async def serve(config: TandemConfig) -> int:
             log_level=config.server.log_level,
             access_log=config.server.log_level == "debug",
             timeout_graceful_shutdown=3,
+            # The app has no startup/shutdown hooks; uvicorn's lifespan task only left a
+            # CancelledError traceback in the log at every stop.
+            lifespan="off",
             http=with_header_timeout(config.server.request_read_timeout_s),
         ),
         service,

@@ -156,6 +156,31 @@ def test_start_up_errors_end_the_service_with_one_line(
     assert leftovers == []
 
 
+def test_an_engine_dying_while_the_api_server_starts_leaves_no_traceback(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The API server is still starting when the engine reports its worker dead: it stops
+    as cleanly as it would later (uvicorn's lifespan task once left a CancelledError)."""
+    model = broken_model("unsupported-architecture", smollm2_dir, tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and "mambaforcausallm" in run.stderr.lower()
+    assert "CancelledError" not in run.stderr, run.stderr[-3000:]
+
+
 def test_a_request_id_can_be_reused_once_its_request_has_ended(server: TandemStack) -> None:
     def send(request_id: str, **body: object) -> httpx.Response:
         return httpx.post(

@@ -27,6 +27,7 @@ def test_signal_stops_every_process_with_exit_0(smollm2_dir: Path, sig: int) -> 
     names = sorted(p.cmdline()[p.cmdline().index("-m") + 1] for p in stack.descendants())
     assert names == ["api_server", "engine_core", "worker"]
     assert stack.stop(sig) == 0  # stop() also asserts no process is left
+    assert "Traceback" not in stack.log()  # a clean stop logs no error
 
 
 def long_stream(url: str, events: list[str]) -> None:
