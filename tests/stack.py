@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,20 @@ class TandemStack:
             if "-m" in cmdline and cmdline[cmdline.index("-m") + 1] == module:
                 return p
         raise LookupError(f"no {module} process among {[p.cmdline() for p in self.descendants()]}")
+
+    def stats_when(
+        self, settled: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
+    ) -> dict[str, Any]:
+        """``/stats`` once ``settled`` holds of it, or the last reading after ``timeout_s``
+        (for the caller's assertion to show). The engine's cumulative counters (hand-offs
+        among them) reach the API server with its heartbeat, every 0.2 s, so a reading
+        taken right after a response may be a beat behind it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats: dict[str, Any] = httpx.get(f"{self.url}/stats", timeout=10).json()
+            if settled(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

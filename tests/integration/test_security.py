@@ -140,7 +140,8 @@ def test_split_pools_across_hosts_speak_only_curve(smollm2_dir: Path, keys: Path
         body = {"model": MODEL, "prompt": LONG, "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        transfers = httpx.get(f"{stack.url}/stats", timeout=10).json()["kv_transfers"]
+        stats = stack.stats_when(lambda s: s["kv_transfers"]["outcomes"]["done"] > 0)
+        transfers = stats["kv_transfers"]
         assert transfers["outcomes"]["done"] == 1 and transfers["bytes"] > 0
         # A plaintext DEALER claiming to be prefill worker 0 reports a failure: were it
         # heard, the engine would take the pool down.

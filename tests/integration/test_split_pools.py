@@ -75,7 +75,7 @@ def test_operators_see_both_pools_and_the_hand_offs(smollm2_dir: Path, kv_transf
             assert not new  # each pool has its own memory
         complete(stack.url, LONG)  # handed off
         complete(stack.url, "Hi")  # short: prefilled where the router sees fit
-        stats = httpx.get(f"{stack.url}/stats").json()
+        stats = stack.stats_when(lambda s: sum(s["kv_transfers"]["outcomes"].values()) == 2)
         assert set(stats["pools"]) == {"prefill", "decode"}
         assert stats["total_requests"] == 2 and stats["num_kv_blocks_in_use"] == 0
         assert stats["kv_transfers"]["outcomes"]["done"] >= 1

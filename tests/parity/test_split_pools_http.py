@@ -132,10 +132,14 @@ def split(reference: Reference, kv_transfer: str, conditional: bool) -> dict[str
     ]
     with TandemStack(*flags) as stack:
         outputs = run_all(stack, reference.model, reference.prompts)
-        stats = httpx.get(f"{stack.url}/stats").json()
+        # every request ends its hand-off one way or the other before it answers
+        stats = stack.stats_when(
+            lambda s: sum(s["kv_transfers"]["outcomes"].values()) == len(reference.prompts)
+        )
     for prompt, ours, ref in zip(reference.prompts, outputs, reference.outputs, strict=True):
         assert_greedy_parity(prompt, ours, ref, reference.logprobs, reference.logprobs)
     transfers = stats["kv_transfers"]["outcomes"]
+    assert sum(transfers.values()) == len(reference.prompts)
     assert transfers["done"] > 0  # prompts really went through the hand-off
     if conditional:
         assert transfers["local_prefill"] > 0  # and some really stayed
