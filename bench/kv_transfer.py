@@ -65,7 +65,7 @@ def tcp_s(tokens: int, repeats: int) -> float:
             transfer_id = f"bench-{i}"
             receiver.expect(KVReceive(transfer_id, ids, [1] * blocks))
             start = time.perf_counter()
-            sender.send(KVSend(transfer_id, ids, receiver.address), src)
+            sender.send(KVSend(transfer_id, ids, [receiver.address]), src)
             while not (results := receiver.take_results()):
                 time.sleep(0.0002)
             times.append(time.perf_counter() - start)

@@ -87,6 +87,7 @@ class InlinePool:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.kv_addresses: list[str] = []  # unified: no hand-off
         self.busy = False
         self.last_step: SchedulerOutput | None = None
         self.last_result: ModelRunnerOutput | None = None  # until polled

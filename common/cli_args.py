@@ -285,6 +285,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="worker processes of the (unified) pool, each holding a shard of every layer "
         "(torch.distributed: gloo on CPU, NCCL on CUDA) (default: %(default)s)",
     )
+    for pool in ("prefill", "decode"):
+        p.add_argument(
+            f"--{pool}-tp",
+            type=int,
+            default=1,
+            help=f"tensor-parallel ranks of the {pool} pool (split pools, with "
+            f"--{pool}-workers 1); the two pools may differ: the KV hand-off re-shards "
+            "(default: %(default)s)",
+        )
     p.add_argument(
         "--worker-threads",
         "--threads-per-rank",

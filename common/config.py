@@ -262,6 +262,8 @@ class DisaggConfig:
     # shm only while the prefill pool is busy). 0 = always hand off.
     disagg_min_prompt_tokens: int = 32
     tensor_parallel_size: int = 1  # ranks of the unified pool, each holding a shard
+    prefill_tp: int = 1  # ranks of the prefill pool (split pools)
+    decode_tp: int = 1  # ranks of the decode pool; may differ: the hand-off re-shards
     worker_threads: int | None = None  # per worker process; None: cores / worker processes
     prefill_threads: int | None = None  # per prefill worker; None: worker_threads' rule
     decode_threads: int | None = None  # per decode worker; None: worker_threads' rule
@@ -301,8 +303,19 @@ class DisaggConfig:
         )
         _require(
             self.tensor_parallel_size == 1 or not self.split,
-            "--tensor-parallel-size applies to a unified pool; split pools run one rank each",
+            "--tensor-parallel-size applies to a unified pool; give split pools "
+            "--prefill-tp and --decode-tp",
         )
+        for pool, tp, workers in (
+            ("prefill", self.prefill_tp, self.prefill_workers),
+            ("decode", self.decode_tp, self.decode_workers),
+        ):
+            _require(tp >= 1, f"--{pool}-tp must be at least 1, got {tp}")
+            _require(tp == 1 or self.split, f"--{pool}-tp needs split pools (--{pool}-workers 1)")
+            _require(
+                tp == 1 or workers == 1,
+                f"--{pool}-tp {tp} makes one pool of {tp} ranks: give --{pool}-workers 1",
+            )
         for flag, threads in (
             ("--worker-threads", self.worker_threads),
             ("--prefill-threads", self.prefill_threads),
@@ -322,12 +335,25 @@ class DisaggConfig:
     def split(self) -> bool:
         return self.prefill_workers > 0
 
-    def num_workers(self, pool: str) -> int:
+    def tp_size(self, pool: str) -> int:
+        """Tensor-parallel ranks of one pool (1: its workers each hold the whole model)."""
         return {
             "unified": self.tensor_parallel_size,
-            "prefill": self.prefill_workers,
-            "decode": self.decode_workers,
+            "prefill": self.prefill_tp,
+            "decode": self.decode_tp,
         }[pool]
+
+    @property
+    def reshards(self) -> bool:
+        """Split pools of different widths: each lays its KV heads out by its own ranks,
+        so the hand-off copies and re-shards (even with ``shm``)."""
+        return self.split and self.prefill_tp != self.decode_tp
+
+    def num_workers(self, pool: str) -> int:
+        """Worker processes of one pool: its ranks, or (TP 1) its workers."""
+        if self.tp_size(pool) > 1:
+            return self.tp_size(pool)
+        return {"unified": 1, "prefill": self.prefill_workers, "decode": self.decode_workers}[pool]
 
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.split else ("unified",)
@@ -340,8 +366,7 @@ class DisaggConfig:
             return own
         if self.worker_threads is not None:
             return self.worker_threads
-        workers = self.prefill_workers + self.decode_workers if self.split else 1
-        workers *= self.tensor_parallel_size  # threads per rank: cores / ranks
+        workers = sum(self.num_workers(p) for p in self.pools())  # per rank: cores / ranks
         return max(1, (os.cpu_count() or 1) // workers)
 
 

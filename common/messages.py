@@ -294,20 +294,25 @@ class WorkerReady(_Wire, tag=True):
 
 class KVSend(_Wire):
     """Engine -> prefill worker: copy these blocks out (before this step's forward) and
-    stream them to the decode worker at ``destination`` as transfer ``transfer_id``."""
+    stream them to the decode pool as transfer ``transfer_id``: to each address of
+    ``destinations``, one per decode rank, that rank's KV heads (one address unless the
+    decode pool is tensor-parallel)."""
 
     transfer_id: str
     block_ids: list[int]
-    destination: str
+    destinations: list[str]
 
 
 class KVReceive(_Wire):
     """Engine -> decode worker: transfer ``transfer_id`` lands in ``block_ids``, each
-    valid only at its ``generations`` entry (a block reallocated since is never written)."""
+    valid only at its ``generations`` entry (a block reallocated since is never written).
+    ``src_block_ids``: ``shm`` between pools of different widths, where the decode worker
+    copies the blocks itself out of the prefill ranks' shared memory (``tcp``: empty)."""
 
     transfer_id: str
     block_ids: list[int]
     generations: list[int]
+    src_block_ids: list[int] = []
 
 
 class KVTransferResult(_Wire):

@@ -131,3 +131,10 @@ def attach_segment(name: str, size: int, timeout_s: float = 60.0) -> shared_memo
             time.sleep(0.05)
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     return segment
+
+
+def map_segment(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment, whatever its size, off this process's resource tracker."""
+    segment = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment

@@ -36,6 +36,7 @@ from common.messages import (
 )
 from engine_core.executor import PoolEvents
 from engine_core.handoff import Handoff, SharedMemoryHandoff, TcpHandoff, merge
+from engine_core.handoff_pull import ShmCopyHandoff
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request
 from engine_core.request_checks import request_error
@@ -49,6 +50,7 @@ class Pool(Protocol):
     """A pool of workers as the engine drives it (``executor.WorkerPool``, or a fake)."""
 
     role: PoolRole
+    kv_addresses: list[str]  # per rank, after wait_ready: where a decode rank takes KV
 
     @property
     def busy(self) -> bool: ...
@@ -119,7 +121,8 @@ class EngineCore:
                 self.pools["unified"], Scheduler(config, kv, first.model, self._clock)
             )
             return
-        shared = self.config.disagg.kv_transfer == "shm"
+        disagg = self.config.disagg
+        shared = disagg.kv_transfer == "shm" and not disagg.reshards  # one block pool
         sizes = {name: ready.num_kv_blocks for name, ready in readies.items()}
         if shared and len(set(sizes.values())) != 1:
             raise RuntimeError(f"the pools map KV segments of different sizes: {sizes}")
@@ -134,17 +137,24 @@ class EngineCore:
             "decode": Slot(self.pools["decode"], decode),
         }
         self.router = Router(prefill, decode, self.config.disagg)
+        decode_ranks = disagg.tp_size("decode")
+        lease, policy = disagg.kv_transfer_lease_s, disagg.kv_load_failure_policy
+        bytes_per_block = readies["decode"].num_kv_bytes_per_block
         if shared:
             self.handoff = SharedMemoryHandoff(decode, self._clock)
+        elif disagg.kv_transfer == "shm":  # pools of different widths
+            self.handoff = ShmCopyHandoff(
+                prefill_kv, decode, decode_ranks, lease, policy, bytes_per_block, self._clock
+            )
         else:
+            # TP: every decode rank takes its own heads; else the one worker's address
+            # (further decode workers are replicas whose answers are not used).
+            tp = decode_ranks > 1
+            destinations = (
+                self.pools["decode"].kv_addresses if tp else [readies["decode"].kv_address]
+            )
             self.handoff = TcpHandoff(
-                prefill_kv,
-                decode,
-                readies["decode"].kv_address,
-                self.config.disagg.kv_transfer_lease_s,
-                self.config.disagg.kv_load_failure_policy,
-                readies["decode"].num_kv_bytes_per_block,
-                self._clock,
+                prefill_kv, decode, destinations, lease, policy, bytes_per_block, self._clock
             )
 
     # ------------------------------------------------------------------ inputs

@@ -88,7 +88,8 @@ class WorkerPool:
         self._results: dict[bytes, ModelRunnerOutput] = {}
         self._in_flight: SchedulerOutput | None = None
         # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here.
-        self._tensor_parallel = role == PoolRole.UNIFIED and num_workers > 1
+        self._tensor_parallel = config.disagg.tp_size(self.name) > 1
+        self.kv_addresses: list[str] = []  # per rank, where a decode worker takes KV (tcp)
         self._last_sampled: dict[str, int] = {}
         if self._external:
             logger.info(
@@ -141,6 +142,7 @@ class WorkerPool:
                     f"{self.name} pool's address"
                 )
             readies[identity] = message
+        self.kv_addresses = [readies[identity].kv_address for identity in self._identities]
         return min(readies.values(), key=lambda r: r.num_kv_blocks)
 
     def submit(self, step: SchedulerOutput) -> None:
@@ -172,7 +174,8 @@ class WorkerPool:
                 raise WorkerDied(f"{self._who(identity)} sent {type(message).__name__} mid-run")
         if self._in_flight is not None and len(self._results) == len(self._identities):
             events.result = self._results[self._identities[0]]
-            events.transfers += events.result.kv_results
+            for identity in self._identities:  # each decode rank lands its own KV heads
+                events.transfers += self._results[identity].kv_results
             if self._tensor_parallel:
                 result = events.result
                 self._last_sampled = dict(

@@ -145,6 +145,8 @@ class Transfer:
     src_blocks: list[int]  # prefill side, the blocks sent
     dst_blocks: list[int]  # decode side, where they land (in order)
     dst_generations: list[int]
+    awaiting: int = 1  # decode ranks yet to report it landed (each lands its own heads)
+    num_bytes: int = 0  # landed so far
     copied: bool = False  # the prefill side's blocks were copied out and freed
 
 
@@ -155,7 +157,7 @@ class TcpHandoff:
         self,
         prefill_kv: KVCacheManager,
         decode: Scheduler,
-        decode_address: str,
+        destinations: list[str],
         lease_s: float,
         policy: KVLoadFailurePolicy,
         bytes_per_block: int,
@@ -163,7 +165,7 @@ class TcpHandoff:
     ) -> None:
         self.prefill_kv = prefill_kv
         self.decode = decode
-        self.decode_address = decode_address
+        self.destinations = destinations  # per decode rank: where its KV heads go
         self.lease_s = lease_s
         self.policy = policy
         self.bytes_per_block = bytes_per_block
@@ -220,16 +222,21 @@ class TcpHandoff:
                 src,
                 dst,
                 decode_kv.generations_of(dst),
+                awaiting=len(self.destinations),
             )
             self.active[transfer.transfer_id] = transfer
             self._by_request[request.request_id] = transfer
-            self._orders["prefill"].sends.append(
-                KVSend(transfer.transfer_id, src, self.decode_address)
-            )
-            self._orders["decode"].receives.append(
-                KVReceive(transfer.transfer_id, dst, transfer.dst_generations)
-            )
+            self._order(transfer)
         return {}
+
+    def _order(self, transfer: Transfer) -> None:
+        """The prefill side streams the blocks; the decode side waits for them."""
+        self._orders["prefill"].sends.append(
+            KVSend(transfer.transfer_id, transfer.src_blocks, self.destinations)
+        )
+        self._orders["decode"].receives.append(
+            KVReceive(transfer.transfer_id, transfer.dst_blocks, transfer.dst_generations)
+        )
 
     def tick(self) -> ClientOutputs:
         """Place what now fits; expire transfers past their lease."""
@@ -265,6 +272,10 @@ class TcpHandoff:
             return self._failed(transfer, "failed", result.error or f"the {pool} side failed")
         if pool != "decode":
             return {}
+        transfer.awaiting -= 1
+        transfer.num_bytes += result.num_bytes
+        if transfer.awaiting > 0:
+            return {}  # another decode rank's heads are still on the way
         if not self.decode.kv.is_current(transfer.dst_blocks, transfer.dst_generations):
             # Cannot happen while the transfer is active; refused rather than trusted.
             return self._failed(transfer, "failed", "a landed block was reallocated meanwhile")
@@ -274,7 +285,7 @@ class TcpHandoff:
             transfer.copied = True
             self.prefill_kv.free(request.request_id)
         self.decode.accept(request)
-        self.stats.ended("done", self._clock() - transfer.started, result.num_bytes)
+        self.stats.ended("done", self._clock() - transfer.started, transfer.num_bytes)
         return {}
 
     # ------------------------------------------------------------------ endings
@@ -289,9 +300,12 @@ class TcpHandoff:
         request_id = transfer.request.request_id
         self.decode.kv.free(request_id)
         if not transfer.copied:
-            self.prefill_kv.free(request_id)
+            self._free_prefill_side(transfer)
         for pool in ("prefill", "decode"):
             self._orders[pool].cancels.append(transfer.transfer_id)
+
+    def _free_prefill_side(self, transfer: Transfer) -> None:
+        self.prefill_kv.free(transfer.request.request_id)
 
     def _failed(self, transfer: Transfer, outcome: str, why: str) -> ClientOutputs:
         self._release(transfer)
@@ -338,4 +352,4 @@ class TcpHandoff:
         return out
 
 
-Handoff = SharedMemoryHandoff | TcpHandoff
+Handoff = SharedMemoryHandoff | TcpHandoff  # and its subclass ShmCopyHandoff

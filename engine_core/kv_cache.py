@@ -187,6 +187,15 @@ class KVCacheManager:
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Hand the request's block references to another owner id (blocks a worker may
+        still be reading after the request has gone)."""
+        if new_id in self.req_to_blocks:
+            raise ValueError(f"{new_id} already holds blocks")
+        self.req_to_blocks[new_id] = self.req_to_blocks.pop(request_id, [])
+        if request_id in self._num_registered:
+            self._num_registered[new_id] = self._num_registered.pop(request_id)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use stay with their requests."""
         self.cached_blocks.clear()

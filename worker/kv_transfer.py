@@ -26,6 +26,7 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,6 +34,8 @@ import torch
 import zmq
 
 from common.messages import KVReceive, KVSend, KVTransferResult
+from worker.kv_reshard import KVLayout, gather_heads, heads_for
+from worker.parallel import TensorParallel
 
 Secure = Callable[[zmq.Socket[Any]], None]  # makes a socket a Curve server or client
 
@@ -105,6 +108,16 @@ def _crc32(frames: list[memoryview]) -> int:
     return crc
 
 
+@dataclass(frozen=True)
+class Reshard:
+    """Tensor-parallel pools on either side: this prefill rank's place, and how each
+    pool lays the KV heads out (``worker/kv_reshard.py``)."""
+
+    tp: TensorParallel
+    source: KVLayout
+    dest: KVLayout
+
+
 class KVSender:
     """Copies blocks out on the step loop, streams them from a thread."""
 
@@ -113,20 +126,40 @@ class KVSender:
         ctx: zmq.Context[zmq.Socket[bytes]],
         block_size: int,
         secure: Secure | None = None,
+        reshard: Reshard | None = None,
     ) -> None:
         self._ctx = ctx
         self._block_size = block_size
         self._secure = secure  # a Curve client (--curve-keys): the receiver admits only it
-        self._work: queue.Queue[tuple[str, str, torch.Tensor] | None] = queue.Queue()
+        self._reshard = reshard
+        # Per transfer: (destination, its bytes), one per decode rank.
+        self._work: queue.Queue[tuple[str, list[tuple[str, torch.Tensor]]] | None] = queue.Queue()
         self._failures: queue.Queue[KVTransferResult] = queue.Queue()
         self._cancelled = _Cancelled()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def send(self, order: KVSend, caches: list[torch.Tensor]) -> None:
-        """Copy the order's blocks now; the bytes leave from the sender thread."""
+        """Copy the order's blocks now; the bytes leave from the sender thread. With
+        tensor parallelism every prefill rank calls this in the same step (a collective)
+        and rank 0 sends each decode rank its heads."""
         payload = gather_blocks(caches, order.block_ids, self._block_size)
-        self._work.put((order.transfer_id, order.destination, payload))
+        reshard = self._reshard
+        if reshard is None:
+            self._work.put((order.transfer_id, [(order.destinations[0], payload)]))
+            return
+        full = gather_heads(payload, reshard.tp, reshard.source, self._block_size)
+        if full is None:
+            return  # rank 0 sends
+        if len(order.destinations) != reshard.dest.tp_size:
+            error = f"{len(order.destinations)} destinations for {reshard.dest.tp_size} ranks"
+            self._failures.put(KVTransferResult(order.transfer_id, False, error))
+            return
+        pieces = [
+            (address, heads_for(full, reshard.dest.heads(rank)))
+            for rank, address in enumerate(order.destinations)
+        ]
+        self._work.put((order.transfer_id, pieces))
 
     def cancel(self, transfer_id: str) -> None:
         self._cancelled.add(transfer_id)  # not yet sent: skipped
@@ -144,28 +177,42 @@ class KVSender:
     def _run(self) -> None:
         sockets: dict[str, zmq.Socket[bytes]] = {}
         while (item := self._work.get()) is not None:
-            transfer_id, destination, payload = item
+            transfer_id, pieces = item
             if self._cancelled.take(transfer_id):
                 continue
-            try:
-                sock = sockets.get(destination)
-                if sock is None:
-                    sock = self._ctx.socket(zmq.PUSH)
-                    if self._secure is not None:
-                        self._secure(sock)
-                    sock.setsockopt(zmq.LINGER, 2000)
-                    sock.setsockopt(zmq.SNDHWM, 0)
-                    sock.connect(destination)
-                    sockets[destination] = sock
-                frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
-                num_bytes = sum(f.nbytes for f in frames)
-                header = _Header(transfer_id, payload.shape[2], num_bytes, _crc32(frames))
-                sock.send_multipart([msgspec.msgpack.encode(header), *frames], copy=False)
-            except Exception as e:  # a broken destination fails this transfer, not the worker
-                logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
-                self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
+            for destination, payload in pieces:
+                if not self._send(sockets, transfer_id, destination, payload):
+                    break
         for sock in sockets.values():
             sock.close()
+
+    def _send(
+        self,
+        sockets: dict[str, zmq.Socket[bytes]],
+        transfer_id: str,
+        destination: str,
+        payload: torch.Tensor,
+    ) -> bool:
+        """Stream one decode rank's part; False if it failed (the transfer has)."""
+        try:
+            sock = sockets.get(destination)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                if self._secure is not None:
+                    self._secure(sock)
+                sock.setsockopt(zmq.LINGER, 2000)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.connect(destination)
+                sockets[destination] = sock
+            frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
+            num_bytes = sum(f.nbytes for f in frames)
+            header = _Header(transfer_id, payload.shape[2], num_bytes, _crc32(frames))
+            sock.send_multipart([msgspec.msgpack.encode(header), *frames], copy=False)
+        except Exception as e:  # a broken destination fails this transfer, not the worker
+            logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
+            self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
+            return False
+        return True
 
 
 def _as_bytes(payload: torch.Tensor) -> list[torch.Tensor]:

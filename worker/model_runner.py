@@ -29,6 +29,7 @@ from common.messages import (
 )
 from worker.attention import build_metadata
 from worker.kv_memory import SharedCaches, local_caches
+from worker.kv_reshard import KVPuller
 from worker.kv_transfer import KVReceiver, KVSender
 from worker.models.loader import load_model, read_hf_config
 from worker.ops import pick_ops
@@ -112,6 +113,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.kv_sender: KVSender | None = None
         self.kv_receiver: KVReceiver | None = None
+        self.kv_puller: KVPuller | None = None
         self.structured = StructuredOutputs(
             model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids
         )
@@ -146,11 +148,14 @@ class ModelRunner:
         self.requests.clear()
 
     def attach_transfer(
-        self, sender: KVSender | None = None, receiver: KVReceiver | None = None
+        self,
+        sender: KVSender | None = None,
+        receiver: KVReceiver | None = None,
+        puller: KVPuller | None = None,
     ) -> None:
         """Split pools over TCP: the prefill side sends its requests' KV, the decode side
-        takes it."""
-        self.kv_sender, self.kv_receiver = sender, receiver
+        takes it; over shm between pools of different widths the decode side pulls it."""
+        self.kv_sender, self.kv_receiver, self.kv_puller = sender, receiver, puller
 
     def _transfer_orders(self, step: SchedulerOutput) -> list[str]:
         """Apply the step's KV orders before its forward; returns the transfers copied."""
@@ -159,9 +164,11 @@ class ModelRunner:
                 self.kv_receiver.cancel(transfer_id)
             if self.kv_sender is not None:
                 self.kv_sender.cancel(transfer_id)
-        if self.kv_receiver is not None:
-            for receive in step.kv_receives:
+        for receive in step.kv_receives:
+            if self.kv_receiver is not None:
                 self.kv_receiver.expect(receive)
+            if self.kv_puller is not None:
+                self.kv_puller.pull(receive)
         copied = []
         if self.kv_sender is not None:
             for send in step.kv_sends:
@@ -175,6 +182,8 @@ class ModelRunner:
             self.kv_sender.close()
         if self.kv_receiver is not None:
             self.kv_receiver.close()
+        if self.kv_puller is not None:
+            self.kv_puller.close()
 
     def transfer_results(self) -> list[KVTransferResult]:
         """Transfers that ended on this side since the last call."""
@@ -183,6 +192,8 @@ class ModelRunner:
             results += self.kv_receiver.take_results()
         if self.kv_sender is not None:
             results += self.kv_sender.take_failures()
+        if self.kv_puller is not None:
+            results += self.kv_puller.take_results()
         return results
 
     @torch.inference_mode()

@@ -41,7 +41,6 @@ from common.messages import (
 )
 from common.model_files import resolve_model_dir
 from common.process import die_with_parent, release_free_memory
-from common.shm import segment_name
 from worker.engine_link import EngineLink, enable_heartbeats
 
 logger = logging.getLogger(__name__)
@@ -122,19 +121,17 @@ def _build_runner(
     import torch
 
     from worker.device import pick_device, resolve_dtype
-    from worker.kv_transfer import KVReceiver, KVSender
+    from worker.kv_wiring import attach_kv_transport, kv_segment
     from worker.model_runner import ModelRunner
     from worker.parallel import init_group
 
     torch.set_num_threads(config.disagg.threads_per_worker(str(pool)))
     device = pick_device()
     dtype = resolve_dtype(config.model.dtype, device)
-    disagg = config.disagg
-    ranks = disagg.tensor_parallel_size if pool == PoolRole.UNIFIED else 1
+    ranks = config.disagg.tp_size(str(pool))
     if ranks > 1 and not tp_init_address:
-        raise ValueError("--tensor-parallel-size > 1 needs --tp-init-address (the engine sets it)")
+        raise ValueError("tensor parallelism needs --tp-init-address (the engine sets it)")
     tp = init_group(rank, ranks, tp_init_address or "", device)
-    shares_kv = disagg.split and disagg.kv_transfer == "shm"
     runner = ModelRunner(
         resolve_model_dir(config.model.model),
         dtype,
@@ -142,23 +139,10 @@ def _build_runner(
         config.cache,
         config.model.max_model_len,
         config.model.attention_backend,
-        segment_name(disagg.service_id, "kv") if shares_kv else None,
+        kv_segment(config.disagg, pool, rank),
         tp,
     )
-    if disagg.split and disagg.kv_transfer == "tcp":
-        if pool == PoolRole.PREFILL:
-            sender = KVSender(ctx, runner.block_size, keys.make_client if keys else None)
-            runner.attach_transfer(sender=sender)
-        else:
-            receiver = KVReceiver(
-                ctx,
-                runner.kv_caches,
-                runner.block_size,
-                disagg.kv_transfer_address,
-                disagg.kv_transfer_host,
-                keys.make_server if keys else None,
-            )
-            runner.attach_transfer(receiver=receiver)
+    attach_kv_transport(runner, config, pool, ctx, keys)
     runner.warm_up()
     logger.info("%s worker ready on %s (%d torch threads)", pool, device, torch.get_num_threads())
     return runner

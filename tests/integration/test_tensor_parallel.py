@@ -79,8 +79,21 @@ def test_two_ranks_serve_the_greedy_tokens_of_one(
     assert stats["num_kv_blocks_in_use"] == 0
 
 
-def test_a_rank_killed_mid_generation_stops_the_service_naming_it(smollm2_dir: Path) -> None:
-    stack = TandemStack("--tensor-parallel-size", "2", "--grace-period-s", "1").start()
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--tensor-parallel-size", "2"], "worker-1"),
+        (
+            ["--prefill-workers", "1", "--decode-workers", "1", "--decode-tp", "2"],
+            "decode worker-1",
+        ),
+    ],
+    ids=["unified", "split-decode-pool"],
+)
+def test_a_rank_killed_mid_generation_stops_the_service_naming_it(
+    smollm2_dir: Path, flags: list[str], named: str
+) -> None:
+    stack = TandemStack(*flags, "--grace-period-s", "1").start()
     events: list[tuple[float, str]] = []
     thread = threading.Thread(target=long_stream, args=(stack.url, events))
     thread.start()
@@ -97,7 +110,7 @@ def test_a_rank_killed_mid_generation_stops_the_service_naming_it(smollm2_dir: P
     assert events[-2][0] - events[-3][0] < 2.0  # ended within 2 s of the last token
     assert stack.proc is not None and stack.proc.wait(timeout=30) != 0
     why = stack.log().split("tandem: ")[-1]
-    assert "worker-1" in why and "killed by signal 9" in why, why
+    assert named in why and "killed by signal 9" in why, why
     _, alive = psutil.wait_procs(everyone, timeout=10)
     assert not alive, alive
     stack.stop()

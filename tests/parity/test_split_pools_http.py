@@ -115,8 +115,15 @@ def gemma() -> Iterator[Reference]:
     yield Reference("gemma-3-270m")
 
 
-def split(reference: Reference, kv_transfer: str, conditional: bool) -> dict[str, Any]:
+def split(
+    reference: Reference,
+    kv_transfer: str,
+    conditional: bool,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+) -> dict[str, Any]:
     flags = [
+        *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
         "--model",
         reference.model,
         *BASE,
@@ -183,3 +190,31 @@ def test_gemma_split_pools_match_the_unified_pool(
     gemma: Reference, kv_transfer: str, conditional: bool
 ) -> None:
     split(gemma, kv_transfer, conditional)
+
+
+# Pools of different tensor-parallel widths: the hand-off re-shards the KV heads (SmolLM2's
+# 3 KV heads lie 1 + 2 over two ranks).
+@pytest.mark.parametrize(
+    ("kv_transfer", "prefill_tp", "decode_tp"),
+    [("shm", 2, 1), ("tcp", 1, 2)],
+    ids=["shm-tp2-to-tp1", "tcp-tp1-to-tp2"],
+)
+def test_split_pools_of_different_widths_match_the_unified_pool(
+    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int
+) -> None:
+    stats = split(smollm2, kv_transfer, False, prefill_tp, decode_tp)
+    assert stats["kv_transfers"]["bytes"] > 0  # copied (shm too: the layouts differ)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kv_transfer", "prefill_tp", "decode_tp"),
+    [("shm", 1, 2), ("tcp", 2, 1), ("shm", 2, 2)],
+    ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1", "shm-tp2-to-tp2"],
+)
+def test_split_pools_of_different_widths_match_the_unified_pool_more(
+    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int
+) -> None:
+    stats = split(smollm2, kv_transfer, False, prefill_tp, decode_tp)
+    copied = prefill_tp != decode_tp or kv_transfer == "tcp"
+    assert (stats["kv_transfers"]["bytes"] > 0) == copied

@@ -36,6 +36,7 @@ class FakePool:
     step_polls: int = 1
     land_polls: int = 1
     kv_address: str = "tcp://fake-decode:1"
+    kv_addresses: list[str] = field(default_factory=lambda: ["tcp://fake-decode:1"])
     steps: list[SchedulerOutput] = field(default_factory=list)
     fail_transfers: set[str] = field(default_factory=set)  # transfer ids to fail on landing
     _in_flight: SchedulerOutput | None = None

@@ -80,3 +80,24 @@ def test_tensor_parallel_size_makes_the_unified_pool_that_many_ranks() -> None:
     for bad in (["-tp", "0"], ["-tp", "2", "--prefill-workers", "1", "--decode-workers", "1"]):
         with pytest.raises(SystemExit):
             parse_config(["--model", "m", *bad])
+
+
+def test_split_pools_take_a_width_each(capsys: pytest.CaptureFixture[str]) -> None:
+    split = ["--model", "m", "--prefill-workers", "1", "--decode-workers", "1"]
+    config = parse_config([*split, "--prefill-tp", "2"]).disagg
+    assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 1)
+    assert (config.num_workers("prefill"), config.num_workers("decode")) == (2, 1)
+    assert config.reshards
+    assert config.threads_per_worker("prefill") == max(1, (os.cpu_count() or 1) // 3)
+    same = parse_config([*split, "--prefill-tp", "2", "--decode-tp", "2"]).disagg
+    assert not same.reshards and same.num_workers("decode") == 2
+    assert parse_config([*split, "--prefill-tp", "2"]).to_cli_args().count("--prefill-tp") == 1
+    for bad, why in (
+        (["--prefill-tp", "2"], "--prefill-tp needs split pools"),
+        ([*split[2:], "--decode-tp", "0"], "--decode-tp must be at least 1"),
+        (["--prefill-workers", "2", "--decode-workers", "1", "--prefill-tp", "2"], "workers 1"),
+        ([*split[2:], "-tp", "2"], "give split pools --prefill-tp and --decode-tp"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(["--model", "m", *bad])
+        assert why in capsys.readouterr().err

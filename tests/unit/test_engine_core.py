@@ -189,7 +189,7 @@ def test_tcp_prompt_shorter_than_a_block() -> None:
     assert prefill.steps[0].new_requests[0].block_ids == [0]
     sends = [send for s in prefill.steps for send in s.kv_sends]
     receives = [r for s in decode.steps for r in s.kv_receives]
-    assert sends == [KVSend("a#0", [0], "tcp://fake-decode:1")]
+    assert sends == [KVSend("a#0", [0], ["tcp://fake-decode:1"])]
     assert receives == [KVReceive("a#0", [0], [1])]
     assert decode.steps[1].new_requests[0].block_ids == [0]  # 3 prompt + 1 token: one block
     assert tokens(outputs, "a") == expected_tokens("a", 3, 3)

@@ -44,6 +44,10 @@ class CausalLM(nn.Module):
     def drop_replicated_biases(self) -> None:
         """Tensor parallelism, after loading: zero the biases only rank 0 may add."""
 
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of the whole model, every rank's together."""
+        raise NotImplementedError
+
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache holding ``num_slots`` tokens."""
         raise NotImplementedError

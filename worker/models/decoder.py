@@ -214,6 +214,9 @@ class DecoderLM(CausalLM):
             {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
         )
 
+    def attention_shape(self) -> tuple[int, int, int]:
+        return self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
+
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         kv_heads = self.tp.heads(self.args.num_heads, self.args.num_kv_heads).kv_count
         return (2, num_slots, kv_heads, self.args.head_dim)
