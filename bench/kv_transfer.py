@@ -3,7 +3,9 @@
 1. The bytes alone, in-process, SmolLM2's KV layout (30 layers, 3 KV heads of 64, bf16):
    a plain memcpy of one request's KV, and the TCP path end to end (copy the blocks out,
    CRC-32, ZeroMQ over loopback, check, write into the receiver's blocks), in GB/s.
-   ``shm`` moves no bytes at all: its cost is bookkeeping.
+   ``shm`` between pools of equal widths moves no bytes at all: its cost is bookkeeping.
+   Between a prefill pool at TP 2 and a decode pool at TP 1 it re-shards: the decode
+   rank copies the heads out of both prefill ranks' shared-memory caches (``KVPuller``).
 2. The hand-off as a client sees it, through real servers (split pools, one thread each):
    the gap between a request's first token (sampled by the prefill pool) and its second
    (the decode pool's first step), minus the decode pool's steady inter-token time.
@@ -25,9 +27,12 @@ import zmq
 
 from bench.harness import print_table, stream, tandem_server, write_results
 from common.messages import KVReceive, KVSend
+from common.shm import new_service_id, segment_name, segments_of, unlink_segment
+from worker.kv_memory import SharedCaches
+from worker.kv_reshard import KVLayout, KVPuller, prefill_segment
 from worker.kv_transfer import KVReceiver, KVSender
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 DTYPE = torch.bfloat16
 
 
@@ -78,6 +83,37 @@ def tcp_s(tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def reshard_pull_s(tokens: int, repeats: int) -> float:
+    """A decode rank at TP 1 copying one request's blocks out of two prefill ranks'
+    shared-memory caches (SmolLM2's 3 KV heads lie 1 + 2 over them)."""
+    blocks = -(-tokens // BLOCK)
+    service = new_service_id()
+    source = KVLayout(HEADS, KV_HEADS, HEAD_DIM, 2)
+    try:
+        for rank in range(2):
+            shape = (2, blocks * BLOCK, source.heads(rank).kv_count, HEAD_DIM)
+            shared = SharedCaches(
+                segment_name(service, prefill_segment(rank)), shape, LAYERS, DTYPE
+            )
+            for cache in shared.caches:
+                cache.copy_(torch.randn(shape))
+        dst = [c.zero_() for c in caches(blocks)]
+        mine = KVLayout(HEADS, KV_HEADS, HEAD_DIM, 1).heads(0)
+        puller = KVPuller(service, source, mine, dst, BLOCK)
+        ids = list(range(blocks))
+        times = []
+        for i in range(repeats):
+            start = time.perf_counter()
+            puller.pull(KVReceive(f"bench-{i}", ids, [1] * blocks, src_block_ids=ids))
+            times.append(time.perf_counter() - start)
+            assert puller.take_results()[0].ok
+        puller.close()
+    finally:
+        for name in segments_of(service):
+            unlink_segment(name)
+    return statistics.median(times)
+
+
 async def handoff_gap(url: str, tokens: int, repeats: int) -> tuple[float, float]:
     """Median first->second token gap and steady ITL for prompts of ``tokens`` tokens."""
     gaps, steady = [], []
@@ -103,15 +139,20 @@ def main() -> None:
     for tokens in args.tokens:
         size = kv_bytes(tokens)
         copy, wire = memcpy_s(tokens, args.repeats), tcp_s(tokens, args.repeats)
-        results.append({"tokens": tokens, "bytes": size, "memcpy_s": copy, "tcp_s": wire})
+        pull = reshard_pull_s(tokens, args.repeats)
+        results.append(
+            {"tokens": tokens, "bytes": size, "memcpy_s": copy, "tcp_s": wire, "pull_s": pull}
+        )
         rows.append(
             [
                 tokens, f"{size / 2**20:.1f}", f"{1000 * copy:.2f}", f"{size / copy / 1e9:.1f}",
                 f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}", "0 bytes moved",
+                f"{1000 * pull:.1f}", f"{size / pull / 1e9:.2f}",
             ]
         )  # fmt: skip
     print(f"\nKV bytes of one request (SmolLM2 layout, {DTYPE}), {args.repeats} repeats, medians\n")
-    print_table(["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp ms", "tcp GB/s", "shm"], rows)
+    header = ["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp ms", "tcp GB/s", "shm"]
+    print_table([*header, "shm TP2->1 ms", "shm TP2->1 GB/s"], rows)
     served: dict[str, Any] = {}
     if not args.skip_servers:
         split = (

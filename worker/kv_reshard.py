@@ -156,7 +156,7 @@ class KVPuller:
             ):
                 dst = cache.view(2, -1, block_size, mine.kv_count, self._head_dim)
                 part = src.index_select(1, src_index)[:, :, :, src_span]
-                dst[:, dst_index, :, dst_span] = part
+                dst[:, :, :, dst_span].index_copy_(1, dst_index, part)  # a strided view
                 num_bytes += part.numel() * part.element_size()
         self._results.append(KVTransferResult(order.transfer_id, True, None, num_bytes))
 
