@@ -178,6 +178,11 @@ class TcpHandoff:
         self._ids = itertools.count()
 
     @property
+    def num_decode_ranks(self) -> int:
+        """Decode ranks that each report a hand-off landed (their own KV heads)."""
+        return len(self.destinations)
+
+    @property
     def in_flight(self) -> dict[str, Request]:
         """Requests between the pools, by id."""
         found = {r.request_id: r for r in self.pending}
@@ -222,7 +227,7 @@ class TcpHandoff:
                 src,
                 dst,
                 decode_kv.generations_of(dst),
-                awaiting=len(self.destinations),
+                awaiting=self.num_decode_ranks,
             )
             self.active[transfer.transfer_id] = transfer
             self._by_request[request.request_id] = transfer

@@ -40,18 +40,15 @@ class ShmCopyHandoff(TcpHandoff):
         bytes_per_block: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # One "destination" per decode rank: each reports its own heads copied.
-        super().__init__(
-            prefill_kv,
-            decode,
-            [""] * num_decode_ranks,
-            lease_s,
-            policy,
-            bytes_per_block,
-            clock,
-        )
+        # Nothing is streamed, so no destinations: the decode ranks copy for themselves.
+        super().__init__(prefill_kv, decode, [], lease_s, policy, bytes_per_block, clock)
+        self._num_decode_ranks = num_decode_ranks
         self._reading: set[str] = set()  # transfers the decode step in flight copies
         self._held: list[str] = []  # prefill blocks kept until that step is over
+
+    @property
+    def num_decode_ranks(self) -> int:
+        return self._num_decode_ranks
 
     def _order(self, transfer: Transfer) -> None:
         self._orders["decode"].receives.append(
