@@ -52,3 +52,25 @@ def ensure_helm() -> str:
                 staged.chmod(0o755)
                 os.replace(staged, target)
     return str(target)
+
+
+def ensure_podman() -> str:
+    """podman on PATH (podman-compose asks it for its version even to print a config),
+    installed from Debian's packages when missing; the image tests' setup
+    (``deploy/podman/setup.sh``) installs the same package and a base image besides."""
+    found = shutil.which("podman")
+    if found:
+        return found
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / ".podman.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shutil.which("podman") is None:
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "podman"]):
+                done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr[-400:]}")
+    found = shutil.which("podman")
+    if found is None:
+        raise RuntimeError("podman is still not on PATH after installing it")
+    return found

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.tools import ensure_helm, venv_tool
+from tests.tools import ensure_helm, ensure_podman, venv_tool
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 CHART = DEPLOY / "helm" / "tandem"
@@ -38,6 +38,7 @@ def test_hadolint_passes_the_dockerfile() -> None:
 
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_each_compose_profile_validates(profile: str) -> None:
+    ensure_podman()
     env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
     if profile:
         env["COMPOSE_PROFILES"] = profile
