@@ -5,8 +5,9 @@ The real ``EngineCore`` steps the real ``ModelRunner`` in-process (an inline poo
 sockets), every sequence with a 128-token context. One step is split into:
 
 - inside the worker's forward and sampling, by ``torch.profiler`` (self CPU time of each
-  op, attributed to the nearest labelled range): matmuls (every linear projection and the
-  LM head), attention (KV write and paged attention), norms, rotary, activation, sampling,
+  op, attributed to the nearest labelled range): *fused layers* (a decode step of 1-4
+  rows runs every layer in one native call, ``worker/models/decode_stack.py``, not split
+  further), matmuls (every linear projection and the LM head), attention (KV write and paged attention), norms, rotary, activation, sampling,
   other ops (embedding, adds, index/copy), and *Python and dispatch* (the step's time in
   no op at all: model code, metadata building, tensor creation);
 - engine bookkeeping: ``EngineCore.step()`` minus the runner's time in it;
@@ -55,11 +56,15 @@ from common.messages import (
 from common.model_files import resolve_model_dir
 from engine_core.core import EngineCore
 from engine_core.executor import PoolEvents
+from worker.attention import AttentionMetadata
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
+from worker.models.decoder import DecoderLM, FusedDecode
+from worker.models.packed_linear import PackedLinear
 
 CONTEXT = 128
 PARTS = (
+    "fused layers",  # decode steps of 1-4 rows: every layer in one native call
     "matmul",
     "attention",
     "norms",
@@ -123,12 +128,40 @@ def _label(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return labelled
 
 
+class FusedLabel:
+    """A ``FusedDecode`` whose calls are labelled in the profile."""
+
+    def __init__(self, fused: FusedDecode, call: Callable[..., torch.Tensor]) -> None:
+        self.rope, self._fused, self._call = fused.rope, fused, call
+
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return self._fused.takes(meta, num_tokens)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self._call(x, cos, sin, kv_caches, meta)
+
+
 def label_ops(runner: ModelRunner) -> None:
     """Name the runner's kernel calls and sampling in the profile (the native kernels
     are not torch ops: unlabelled, their time would look like Python)."""
     for method, part in _OPS_LABELS.items():
         setattr(runner.ops, method, _label(part, getattr(runner.ops, method)))
     model_runner_module.sample = _label("sampling", model_runner_module.sample)
+    for module in runner.model.modules():  # the small-batch GEMV is held by each linear
+        if isinstance(module, PackedLinear) and module.gemv is not None:
+            module.gemv = _label("matmul", module.gemv)
+    model = runner.model
+    if isinstance(model, DecoderLM) and model.fused_decode is not None:
+        # One call holds every layer's projections, attention, norms: not split further.
+        fused = model.fused_decode
+        model.fused_decode = FusedLabel(fused, _label("fused layers", fused.__call__))
 
 
 def part_of(event: Any) -> str:

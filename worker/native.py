@@ -41,7 +41,14 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("module.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")
+    for name in (
+        "module.cpp",
+        "decode_attention.cpp",
+        "rms_norm.cpp",
+        "elementwise.cpp",
+        "gemv.cpp",
+        "decode_stack.cpp",
+    )
 ]
 HEADERS = [CSRC / "simd.h"]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
@@ -98,6 +105,32 @@ class NativeKernels(Protocol):
     def add_rms_norm(
         self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def has_bf16_gemv(self) -> bool: ...
+
+    def bf16_gemv(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        kv_caches: list[torch.Tensor],
+        windows: list[int],
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> str:

@@ -18,6 +18,7 @@ from torch import nn
 
 from common.config import AttentionBackend
 from worker.attention import AttentionMetadata, decode_attention_torch
+from worker.models.packed_linear import Gemv
 from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
 from worker.structured import apply_bitmask_torch
 
@@ -65,6 +66,10 @@ class Ops(Protocol):
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Structured outputs: float32 ``logits`` to -inf where the bitmask forbids, in place."""
+
+    @property
+    def small_batch_linear(self) -> Gemv | None:
+        """A bfloat16 GEMV for projections of 1-4 rows (``PackedLinear``), if there is one."""
 
 
 ACTIVATIONS = {
@@ -120,6 +125,10 @@ class TorchOps:
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         apply_bitmask_torch(logits, bitmask)
+
+    @property
+    def small_batch_linear(self) -> Gemv | None:
+        return None
 
 
 class NativeOps(TorchOps):
@@ -177,6 +186,11 @@ class NativeOps(TorchOps):
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self.kernels.apply_token_bitmask_(logits, bitmask)
+
+    @property
+    def small_batch_linear(self) -> Gemv | None:
+        # Built only where the compiler targets AVX512-BF16 (not the portable levels).
+        return self.kernels.bf16_gemv if self.kernels.has_bf16_gemv() else None
 
 
 def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:

@@ -1,7 +1,9 @@
 // The Python module of Tandem's native CPU kernels (loaded by worker/native.py).
 #include <torch/extension.h>
 
+#include <optional>
 #include <tuple>
+#include <vector>
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens,
@@ -14,6 +16,16 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
+bool has_bf16_gemv();
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias);
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
+                         const std::vector<std::optional<at::Tensor>>& biases,
+                         std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
+                         const at::Tensor& slots, const at::Tensor& block_table,
+                         const at::Tensor& context_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t block_size, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention");
@@ -24,4 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (sum, normed)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "structured outputs: -inf where a token's mask bit is clear, in place");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "whether bf16_gemv was built (AVX512-BF16)");
+  m.def("bf16_gemv", &bf16_gemv, "x W^T + b for 1-4 bfloat16 rows, streaming W",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("decode_layers", &decode_layers,
+        "a 1-4 row decode step through every layer of a llama-shaped model");
 }

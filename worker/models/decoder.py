@@ -5,7 +5,7 @@ loading is a name lookup."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -175,9 +175,27 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, args.norm == "gemma")
 
 
+class FusedDecode(Protocol):
+    """Every layer of a decode step in one call (``worker/models/decode_stack.py``)."""
+
+    rope: str  # the one RoPE its layers use
+
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
 class DecoderLM(CausalLM):
     """``forward`` takes the flattened tokens of the whole step and returns hidden states;
-    ``compute_logits`` is applied only to the rows that are sampled."""
+    ``compute_logits`` is applied only to the rows that are sampled. Once loaded, a
+    ``fused_decode`` (set by the loader where one applies) takes small decode steps."""
 
     @staticmethod
     def parse_config(cfg: dict[str, Any]) -> DecoderArgs:
@@ -196,6 +214,7 @@ class DecoderLM(CausalLM):
         )
         self.vocab_per_rank = tp.split(args.vocab_size, "vocabulary")
         self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False)
+        self.fused_decode: FusedDecode | None = None
 
     @property
     def num_layers(self) -> int:
@@ -270,6 +289,10 @@ class DecoderLM(CausalLM):
                 x.dtype
             )
         rope = {name: emb(positions, x.dtype) for name, emb in self.rotary.items()}
+        fused = self.fused_decode
+        if fused is not None and fused.takes(meta, x.shape[0]):
+            cos, sin = rope[fused.rope]
+            return self.model.norm(fused(x, cos, sin, kv_caches, meta))
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             cos, sin = rope[self.args.layer_ropes[i]]
             x = layer(x, cos, sin, kv_cache, meta)

@@ -14,7 +14,9 @@ import torch
 from safetensors import safe_open
 
 from worker.models.base import CausalLM
-from worker.models.packed_linear import can_pack, pack_linears
+from worker.models.decode_stack import DecodeStack
+from worker.models.decoder import DecoderLM
+from worker.models.packed_linear import GEMV_MAX_ROWS, can_pack, pack_linears
 from worker.models.registry import model_class_for
 from worker.ops import Ops, TorchOps
 from worker.parallel import TensorParallel
@@ -116,5 +118,16 @@ def load_model(
     model.drop_replicated_biases()
     model.fuse()
     if can_pack(dtype, device):
-        logger.info("prepacked %d linear layers for oneDNN (bfloat16)", pack_linears(model))
+        gemv = ops.small_batch_linear if ops is not None else None
+        logger.info(
+            "prepacked %d linear layers for oneDNN (bfloat16)%s",
+            pack_linears(model, gemv),
+            "; 1-4 rows on the AVX512-BF16 GEMV" if gemv is not None else "",
+        )
+    if isinstance(model, DecoderLM) and ops is not None:
+        model.fused_decode = DecodeStack.build(model, ops)
+        if model.fused_decode is not None:
+            logger.info(
+                "decode steps of 1-%d rows run every layer in one native call", GEMV_MAX_ROWS
+            )
     return model.eval()

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers for bfloat16 on CPU.
+"""Linear layers for bfloat16 on CPU: oneDNN's prepacked matmul, and for decode steps of
+a few rows Tandem's streaming GEMV.
 
 A plain bfloat16 ``F.linear`` makes oneDNN reorder the weight into its blocked layout on
 every call, which costs about as much as the matmul at decode batch sizes. Reordering
@@ -6,11 +7,19 @@ once at load time (as PyTorch's inductor does when it freezes a model) makes eve
 projection 1.3-2x faster, with bit-identical results (checked in tests/unit). float32
 is left alone: its prepacked kernels accumulate in another order, and float32 is the
 dtype of the parity tests.
+
+At 1-4 rows a projection is a single pass over its weight, and oneDNN's per-call setup
+keeps it well below the memory's speed; where the native kernels have an AVX512-BF16
+GEMV (``NativeOps.small_batch_linear``), those rows go to it instead, over the plain
+weight kept beside the packed one. That costs a second copy of the projection weights
+(the LM head of a tied model excepted: its plain weight is the embedding) and buys
+batch-1 steps at the memory floor (``python -m bench.gemv``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,6 +29,11 @@ logger = logging.getLogger(__name__)
 # The batch-size hint oneDNN packs for; 32 gave identical results to F.linear at every
 # batch size measured (a hint of 1 does not for large batches).
 PACK_HINT = 32
+# The most rows the GEMV takes (the kernel's own limit): past it oneDNN is faster.
+GEMV_MAX_ROWS = 4
+
+# ``(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]``, bfloat16.
+Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -32,9 +46,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only)."""
+    """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only);
+    given a ``gemv``, batches of up to ``GEMV_MAX_ROWS`` rows go to it over the plain
+    weight, kept for it."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    weight: torch.Tensor | None  # the plain weight, kept only for the gemv
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -43,21 +62,28 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
+        self.gemv = gemv
+        plain = linear.weight.detach().contiguous() if gemv is not None else None
+        self.register_buffer("weight", plain, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(
-            flat, self.packed_weight, self.bias, "none", [], ""
-        )
+        if self.gemv is not None and self.weight is not None and 0 < flat.shape[0] <= GEMV_MAX_ROWS:
+            out = self.gemv(flat.contiguous(), self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(
+                flat, self.packed_weight, self.bias, "none", [], ""
+            )
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear``; returns how many."""
+def pack_linears(model: nn.Module, gemv: Gemv | None = None) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear`` (with ``gemv`` for
+    small batches, if given); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, gemv))
                 count += 1
     return count

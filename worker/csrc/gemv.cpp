@@ -1,0 +1,120 @@
+// bfloat16 matrix-vector products for decode steps of a few rows: y = x W^T (+ bias).
+//
+// At batch 1-4 a projection is one pass over its weight, so its speed is the memory's.
+// oneDNN's prepacked matmul spends ~20-30 us a call in setup and reaches ~14 GB/s over a
+// model's projections here; this kernel streams the plain [out, in] weight with
+// AVX512-BF16 dot products (VDPBF16PS: bf16 pairs into float32 lanes), four output
+// rows at a time, prefetching the rows it reads next, and reaches the machine's read
+// bandwidth. It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD
+// Zen 4 and later); where the compiler targets a CPU without it, has_bf16_gemv() is
+// false and the worker keeps oneDNN for every batch size.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TANDEM_HAS_BF16_GEMV 1
+#else
+#define TANDEM_HAS_BF16_GEMV 0
+#endif
+
+namespace {
+
+// The most input rows one call takes: past 4 rows the products are compute-bound and
+// oneDNN's AMX/AVX-512 matmul is faster (measured in bench/results/gemv.json).
+constexpr int64_t kMaxRows = 4;
+
+#if TANDEM_HAS_BF16_GEMV
+constexpr int64_t kRowBlock = 4;        // output rows per block: 4 x (up to 4) accumulators
+constexpr int64_t kPrefetchRows = 8;    // prefetch the block two blocks ahead
+constexpr int64_t kBlocksPerTask = 16;  // at::parallel_for grain, in blocks
+
+inline __m512bh load_pairs(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// y[m, r0 + j] for j < rows (<= kRowBlock) and m < M (a compile-time 1..kMaxRows).
+template <int M>
+void row_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t r0, int64_t rows,
+               int64_t N, const uint16_t* bias, uint16_t* y) {
+  __m512 acc[M][kRowBlock];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kRowBlock; ++j) acc[m][j] = _mm512_setzero_ps();
+  const uint16_t* w0 = w + r0 * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+    const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * K + k);
+    for (int j = 0; j < kRowBlock; ++j) _mm_prefetch(ahead + j * K * 2, _MM_HINT_T0);
+    __m512bh wv[kRowBlock];
+    for (int j = 0; j < kRowBlock; ++j)
+      wv[j] = load_pairs(w0 + std::min<int64_t>(j, rows - 1) * K + k, mask);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = load_pairs(x + m * K + k, mask);
+      for (int j = 0; j < kRowBlock; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < rows; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[m][j]);
+      if (bias != nullptr) sum += static_cast<float>(c10::BFloat16(bias[r0 + j], c10::BFloat16::from_bits()));
+      y[m * N + r0 + j] = c10::BFloat16(sum).x;
+    }
+  }
+}
+
+template <int M>
+void gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+               int64_t N, int64_t K) {
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t r0 = b * kRowBlock;
+      row_block<M>(x, w, K, r0, std::min(kRowBlock, N - r0), N, bias, y);
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool has_bf16_gemv() { return TANDEM_HAS_BF16_GEMV; }
+
+// x [M, K] (M <= 4), weight [N, K], bias [N] or none, all bfloat16 and contiguous:
+// returns x weight^T + bias [M, N], each sum in float32, rounded once to bfloat16.
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(TANDEM_HAS_BF16_GEMV, "bf16_gemv: built for a CPU without AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_gemv takes CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bf16_gemv takes bfloat16 tensors");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "bf16_gemv: x must be [M, K] and weight [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "bf16_gemv takes 1 to ", kMaxRows,
+              " rows, got ", x.size(0));
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "bf16_gemv: contiguous tensors only");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  const uint16_t* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == N,
+                "bf16_gemv: bias must be contiguous bfloat16 [N]");
+    bias_data = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+#if TANDEM_HAS_BF16_GEMV
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  switch (M) {
+    case 1: gemv_rows<1>(xp, wp, bias_data, yp, N, K); break;
+    case 2: gemv_rows<2>(xp, wp, bias_data, yp, N, K); break;
+    case 3: gemv_rows<3>(xp, wp, bias_data, yp, N, K); break;
+    default: gemv_rows<4>(xp, wp, bias_data, yp, N, K); break;
+  }
+#endif
+  return y;
+}
