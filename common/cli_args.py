@@ -302,13 +302,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="compute threads per worker process / tensor-parallel rank (default: this "
         "machine's cores divided among the worker processes)",
     )
-    for pool in ("prefill", "decode"):
-        p.add_argument(
-            f"--{pool}-threads",
-            type=int,
-            default=None,
-            help=f"compute threads per {pool} worker (default: --worker-threads' rule)",
-        )
     p.add_argument(
         "--external-workers",
         action=argparse.BooleanOptionalAction,

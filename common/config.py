@@ -265,8 +265,6 @@ class DisaggConfig:
     prefill_tp: int = 1  # ranks of the prefill pool (split pools)
     decode_tp: int = 1  # ranks of the decode pool; may differ: the hand-off re-shards
     worker_threads: int | None = None  # per worker process; None: cores / worker processes
-    prefill_threads: int | None = None  # per prefill worker; None: worker_threads' rule
-    decode_threads: int | None = None  # per decode worker; None: worker_threads' rule
     # The engine binds these for its pools; a worker by its own command connects to one.
     external_workers: bool = False  # the engine waits for workers started apart
     unified_pool_address: str = ""
@@ -316,12 +314,10 @@ class DisaggConfig:
                 tp == 1 or workers == 1,
                 f"--{pool}-tp {tp} makes one pool of {tp} ranks: give --{pool}-workers 1",
             )
-        for flag, threads in (
-            ("--worker-threads", self.worker_threads),
-            ("--prefill-threads", self.prefill_threads),
-            ("--decode-threads", self.decode_threads),
-        ):
-            _require(threads is None or threads >= 1, f"{flag} must be at least 1, got {threads}")
+        _require(
+            self.worker_threads is None or self.worker_threads >= 1,
+            f"--worker-threads must be at least 1, got {self.worker_threads}",
+        )
         _require(
             self.kv_transfer_address.startswith("tcp://"),
             "--kv-transfer-address must be tcp://HOST:PORT",
@@ -358,12 +354,10 @@ class DisaggConfig:
     def pools(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.split else ("unified",)
 
-    def threads_per_worker(self, pool: str = "unified") -> int:
-        """The pool's own flag (``--prefill-threads``/``--decode-threads``), else
-        ``--worker-threads``, else this machine's cores shared by the worker processes."""
-        own = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(pool)
-        if own is not None:
-            return own
+    def threads_per_worker(self) -> int:
+        """``--worker-threads``, else this machine's cores shared by the worker processes
+        (split pools and tensor-parallel ranks divide them). One flag for every worker: a
+        worker started by its own command (a container) takes its own."""
         if self.worker_threads is not None:
             return self.worker_threads
         workers = sum(self.num_workers(p) for p in self.pools())  # per rank: cores / ranks

@@ -125,7 +125,7 @@ def _build_runner(
     from worker.model_runner import ModelRunner
     from worker.parallel import init_group
 
-    torch.set_num_threads(config.disagg.threads_per_worker(str(pool)))
+    torch.set_num_threads(config.disagg.threads_per_worker())
     device = pick_device()
     dtype = resolve_dtype(config.model.dtype, device)
     ranks = config.disagg.tp_size(str(pool))

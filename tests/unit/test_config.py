@@ -56,21 +56,23 @@ def test_configs_are_frozen() -> None:
         config.scheduler.max_num_seqs = 3  # type: ignore[misc]
 
 
-def test_each_pool_may_have_its_own_thread_count() -> None:
+def test_one_thread_flag_for_every_worker(capsys: pytest.CaptureFixture[str]) -> None:
     split = ["--model", "m", "--prefill-workers", "1", "--decode-workers", "1"]
-    config = parse_config([*split, "--prefill-threads", "3", "--worker-threads", "2"]).disagg
-    assert (config.threads_per_worker("prefill"), config.threads_per_worker("decode")) == (3, 2)
-    config = parse_config([*split, "--decode-threads", "1"]).disagg
-    assert config.threads_per_worker("decode") == 1
-    assert config.threads_per_worker("prefill") == max(1, (os.cpu_count() or 1) // 2)
+    assert parse_config([*split, "--worker-threads", "3"]).disagg.threads_per_worker() == 3
+    # Split pools divide the cores among their worker processes by default.
+    assert parse_config(split).disagg.threads_per_worker() == max(1, (os.cpu_count() or 1) // 2)
     with pytest.raises(SystemExit):
-        parse_config([*split, "--decode-threads", "0"])
+        parse_config([*split, "--worker-threads", "0"])
+    assert "--worker-threads must be at least 1" in capsys.readouterr().err
+    for per_pool in ("--prefill-threads", "--decode-threads"):  # one flag family (WAVE2)
+        with pytest.raises(SystemExit):
+            parse_config([*split, per_pool, "1"])
 
 
 def test_tensor_parallel_size_makes_the_unified_pool_that_many_ranks() -> None:
     config = parse_config(["--model", "m", "--tensor-parallel-size", "2"]).disagg
     assert config.num_workers("unified") == 2
-    assert config.threads_per_worker("unified") == max(1, (os.cpu_count() or 1) // 2)
+    assert config.threads_per_worker() == max(1, (os.cpu_count() or 1) // 2)
     assert (
         parse_config(
             ["--model", "m", "-tp", "2", "--threads-per-rank", "3"]
@@ -88,7 +90,7 @@ def test_split_pools_take_a_width_each(capsys: pytest.CaptureFixture[str]) -> No
     assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 1)
     assert (config.num_workers("prefill"), config.num_workers("decode")) == (2, 1)
     assert config.reshards
-    assert config.threads_per_worker("prefill") == max(1, (os.cpu_count() or 1) // 3)
+    assert config.threads_per_worker() == max(1, (os.cpu_count() or 1) // 3)
     same = parse_config([*split, "--prefill-tp", "2", "--decode-tp", "2"]).disagg
     assert not same.reshards and same.num_workers("decode") == 2
     assert parse_config([*split, "--prefill-tp", "2"]).to_cli_args().count("--prefill-tp") == 1
