@@ -115,7 +115,9 @@ class NativeKernels(Protocol):
     def decode_layers(
         self,
         x: torch.Tensor,
-        weights: list[torch.Tensor],
+        norms: list[torch.Tensor],
+        plain: list[torch.Tensor | None],
+        packed: list[torch.Tensor],
         biases: list[torch.Tensor | None],
         kv_caches: list[torch.Tensor],
         windows: list[int],

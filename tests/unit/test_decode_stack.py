@@ -1,7 +1,7 @@
 """The fused decode step (every layer in one native call) against the Python layers it
 replaces, on tiny random bfloat16 checkpoints: bit-identical hidden states and KV caches
-for decode steps of 1-4 rows; chosen exactly for llama-shaped models with the GEMV, and
-never for a step holding a prefill or more than 4 rows."""
+for decode steps of 1 to 10 rows, with the small-batch GEMV and without it (oneDNN for
+every projection); chosen exactly for llama-shaped models, never for a prefill step."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tests.parity.families import VOCAB, build
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
+from worker.models.packed_linear import Gemv, PackedLinear
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -21,11 +22,19 @@ BLOCK = 4
 FUSED = ["llama", "llama-gqa3", "llama-mqa", "llama3-rope", "qwen2"]  # qwen2: q/k/v biases
 
 
-def load(family: str, tmp_path: Path) -> DecoderLM:
+class NoGemvOps(NativeOps):
+    """The native kernels as on a CPU without AVX512-BF16: oneDNN for every projection."""
+
+    @property
+    def small_batch_linear(self) -> Gemv | None:
+        return None
+
+
+def load(family: str, tmp_path: Path, gemv: bool = True) -> DecoderLM:
     build(family, tmp_path)
-    model = load_model(
-        tmp_path, torch.bfloat16, torch.device("cpu"), NativeOps(load_native_kernels())
-    )
+    kernels = load_native_kernels()
+    ops = NativeOps(kernels) if gemv else NoGemvOps(kernels)
+    model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), ops)
     assert isinstance(model, DecoderLM)
     return model
 
@@ -35,14 +44,21 @@ def test_not_for_models_of_another_shape(family: str, tmp_path: Path) -> None:
     assert load(family, tmp_path).fused_decode is None
 
 
+def test_not_in_float32(tmp_path: Path) -> None:
+    build("llama", tmp_path)
+    ops = NativeOps(load_native_kernels())
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"), ops)
+    assert isinstance(model, DecoderLM) and model.fused_decode is None
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "onednn-only"])
 @pytest.mark.parametrize("family", FUSED)
-def test_bit_identical_to_the_python_layers(family: str, tmp_path: Path) -> None:
-    model = load(family, tmp_path)
+def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: Path) -> None:
+    model = load(family, tmp_path, gemv)
     fused = model.fused_decode
-    if not load_native_kernels().has_bf16_gemv():
-        assert fused is None  # no GEMV on this CPU: the Python layers run every step
-        return
     assert fused is not None
+    uses_gemv = any(m.gemv is not None for m in model.modules() if isinstance(m, PackedLinear))
+    assert uses_gemv == (gemv and load_native_kernels().has_bf16_gemv())
     taken: list[int] = []
     takes = fused.takes
 
@@ -53,9 +69,8 @@ def test_bit_identical_to_the_python_layers(family: str, tmp_path: Path) -> None
     fused.takes = counted  # type: ignore[method-assign]
 
     gen = torch.Generator().manual_seed(len(family))
-    prompts = [
-        torch.randint(0, VOCAB, (length,), generator=gen).tolist() for length in (5, 9, 3, 12, 7)
-    ]
+    lengths = [int(n) for n in torch.randint(3, 14, (10,), generator=gen)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
     blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
     shape = model.kv_cache_shape(8 * len(prompts) * BLOCK)
     caches = {
@@ -66,12 +81,10 @@ def test_bit_identical_to_the_python_layers(family: str, tmp_path: Path) -> None
     def step(
         side: str, seqs: list[int], tokens: list[list[int]], starts: list[int]
     ) -> torch.Tensor:
-        lengths = [len(t) for t in tokens]
+        counts = [len(t) for t in tokens]
         ids = torch.tensor([t for ts in tokens for t in ts])
-        pos = torch.tensor([s + i for s, n in zip(starts, lengths, strict=True) for i in range(n)])
-        meta = build_metadata(
-            [blocks[i] for i in seqs], starts, lengths, BLOCK, torch.device("cpu")
-        )
+        pos = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)])
+        meta = build_metadata([blocks[i] for i in seqs], starts, counts, BLOCK, torch.device("cpu"))
         model.fused_decode = fused if side == "fused" else None
         with torch.inference_mode():
             return model(ids, pos, caches[side], meta)
@@ -79,9 +92,9 @@ def test_bit_identical_to_the_python_layers(family: str, tmp_path: Path) -> None
     everyone = list(range(len(prompts)))
     for side in caches:  # the prompts, in one prefill step: never the fused path
         step(side, everyone, prompts, [0] * len(prompts))
-    assert taken == [sum(map(len, prompts))]
-    lengths = [len(p) for p in prompts]
-    for seqs in ([0], [1, 2], [0, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4], [4]):
+    assert taken == [sum(lengths)]
+    batches = ([0], [1, 2], [0, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4], everyone, [9], everyone)
+    for seqs in batches:
         tokens = [[int(torch.randint(0, VOCAB, (1,), generator=gen))] for _ in seqs]
         starts = [lengths[i] for i in seqs]
         out = {side: step(side, seqs, tokens, starts) for side in caches}
@@ -90,4 +103,4 @@ def test_bit_identical_to_the_python_layers(family: str, tmp_path: Path) -> None
             lengths[i] += 1
     for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
         assert torch.equal(fused_cache, python_cache)
-    assert taken[1:] == [1, 2, 3, 4, 5, 1]  # asked each step; 5 rows go to the Python layers
+    assert taken[1:] == [len(seqs) for seqs in batches]  # every decode step asked, and taken

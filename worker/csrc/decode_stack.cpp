@@ -1,17 +1,18 @@
-// A decode step of 1-4 rows through every layer of a llama-shaped model, in one call.
+// A decode step through every layer of a llama-shaped model, in one call.
 //
-// At batch 1 a SmolLM2 step runs ~300 small kernels; driving them from Python costs
-// ~5 ms a step (a fifth of it, bench/step_profile), more than the attention. This runs
-// the same kernels in the same order with the same roundings as DecoderLayer.forward on
-// NativeOps with the GEMV (worker/models/decoder.py), so its results are bit-identical
-// to that path (tests/unit/test_decode_stack.py): only the interpreter is gone.
+// A SmolLM2 step runs ~300 small kernels; driving them from Python costs ~6 ms a step
+// whatever the batch (a fifth of a batch-1 step, bench/step_profile). This runs the
+// kernels DecoderLayer.forward calls on NativeOps over PackedLinear projections, in the
+// same order with the same arguments, so its results are bit-identical to that path
+// (tests/unit/test_decode_stack.py): only the interpreter is gone.
 //
-// Layer l of a llama-shaped model (RMSNorm, fused q/k/v with optional bias, RoPE, paged
-// attention, o projection with optional bias, residual add + RMSNorm, fused gate/up,
-// SiLU-and-multiply, down projection, residual add) reads weights[6 l .. 6 l + 5]:
-// input norm, qkv, o, post-attention norm, gate_up, down; biases[2 l], biases[2 l + 1]:
-// qkv's and o's.
+// Layer l (RMSNorm, fused q/k/v with optional bias, RoPE, paged attention, o projection
+// with optional bias, residual add + RMSNorm, fused gate/up, SiLU-and-multiply, down
+// projection, residual add) reads norms[2 l + i] (input, post-attention), plain[4 l + i]
+// and packed[4 l + i] (qkv, o, gate_up, down: the plain weight where the GEMV takes
+// 1-4 rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdint>
 #include <optional>
@@ -32,13 +33,38 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
 
 namespace {
-constexpr size_t kWeightsPerLayer = 6;
-constexpr size_t kBiasesPerLayer = 2;
+
+constexpr size_t kNormsPerLayer = 2;    // input, post-attention
+constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
+constexpr int64_t kGemvMaxRows = 4;     // PackedLinear's GEMV_MAX_ROWS
+
+// oneDNN's prepacked linear: the op PackedLinear.forward calls past the GEMV's rows.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// PackedLinear.forward: 1-4 rows on the GEMV where the plain weight is kept, else oneDNN.
+at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
+                  const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  if (plain.has_value() && x.size(0) <= kGemvMaxRows) return bf16_gemv(x, *plain, bias);
+  return onednn_linear(x, packed, bias);
+}
+
 }  // namespace
 
 // x [n, hidden] (the embeddings) -> the last layer's output [n, hidden], before the
 // final norm. kv_caches[l], windows[l] (0: full attention): layer l's cache and window.
-at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
+                         const std::vector<std::optional<at::Tensor>>& plain,
+                         const std::vector<at::Tensor>& packed,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
@@ -46,18 +72,23 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
                          const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, double eps, double scale) {
   const size_t layers = kv_caches.size();
-  TORCH_CHECK(weights.size() == layers * kWeightsPerLayer &&
+  TORCH_CHECK(norms.size() == layers * kNormsPerLayer &&
+                  plain.size() == layers * kLinearsPerLayer &&
+                  packed.size() == layers * kLinearsPerLayer &&
                   biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
-              "decode_layers: ", kWeightsPerLayer, " weights, ", kBiasesPerLayer,
-              " biases, one cache and one window per layer");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == slots.size(0), "x must be [n, hidden]");
+              "decode_layers: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
+              " plain and packed weights, ", kBiasesPerLayer, " biases, a cache and a window");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == slots.size(0) && x_in.size(0) > 0,
+              "x must be [n, hidden], a row per slot");
   const int64_t n = x_in.size(0);
   at::Tensor x = x_in;
   for (size_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = &weights[l * kWeightsPerLayer];
+    const at::Tensor* norm = &norms[l * kNormsPerLayer];
+    const std::optional<at::Tensor>* w = &plain[l * kLinearsPerLayer];
+    const at::Tensor* p = &packed[l * kLinearsPerLayer];
     const std::optional<at::Tensor>* b = &biases[l * kBiasesPerLayer];
     // Attention.forward
-    at::Tensor qkv = bf16_gemv(rms_norm(x, w[0], eps, false), w[1], b[0])
+    at::Tensor qkv = linear(rms_norm(x, norm[0], eps, false), w[0], p[0], b[0])
                          .view({n, heads + 2 * kv_heads, head_dim});
     at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
     rotary_(qk, cos, sin, heads + kv_heads);
@@ -66,11 +97,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
     write_kv(kv_caches[l], slots, k, v);  // paged_attention, every token a decode
     at::Tensor attn = decode_attention(qkv.narrow(1, 0, heads).contiguous(), kv_caches[l],
                                        block_table, context_lens, scale, windows[l], block_size);
-    at::Tensor o = bf16_gemv(attn.reshape({n, heads * head_dim}), w[2], b[1]);
+    at::Tensor o = linear(attn.reshape({n, heads * head_dim}), w[1], p[1], b[1]);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
-    auto [residual, h] = add_rms_norm(x, o, w[3], eps, false);
-    at::Tensor down = bf16_gemv(silu_mul(bf16_gemv(h, w[4], std::nullopt)), w[5], std::nullopt);
-    x = at::add(residual, down);
+    auto [residual, h] = add_rms_norm(x, o, norm[1], eps, false);
+    at::Tensor act = silu_mul(linear(h, w[2], p[2], std::nullopt));
+    x = at::add(residual, linear(act, w[3], p[3], std::nullopt));
   }
   return x;
 }

@@ -19,7 +19,9 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 bool has_bf16_gemv();
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
-at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
+                         const std::vector<std::optional<at::Tensor>>& plain,
+                         const std::vector<at::Tensor>& packed,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
@@ -40,5 +42,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv, "x W^T + b for 1-4 bfloat16 rows, streaming W",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers,
-        "a 1-4 row decode step through every layer of a llama-shaped model");
+        "a decode step through every layer of a llama-shaped model");
 }

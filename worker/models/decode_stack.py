@@ -1,12 +1,14 @@
-"""A decode step of 1-4 rows through every layer in one native call.
+"""A decode step through every layer in one native call.
 
-At batch 1 the interpreter, not the kernels, is the largest cost after the projections
-(``bench/step_profile``: ~5 ms of a ~22 ms step). ``worker/csrc/decode_stack.cpp`` runs
-the very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` with the GEMV, in the
-same order, so a step through it is bit-identical to one through the Python layers; it
-only applies where that holds and the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v
-biases). Qwen3's q/k norms, Gemma's sandwich norms and GeGLU, tensor parallelism and
-steps holding a prefill keep the Python layers.
+The interpreter costs ~6 ms a step whatever the batch (``bench/step_profile``): a fifth
+of a batch-1 step, more than its attention. ``worker/csrc/decode_stack.cpp`` runs the
+very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` over ``PackedLinear``
+projections (the GEMV for 1-4 rows where it exists, oneDNN's packed matmul otherwise),
+in the same order with the same arguments, so a step through it is bit-identical to one
+through the Python layers. It applies where that holds and the model is llama-shaped:
+Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the native kernels. Qwen3's q/k
+norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
+a prefill keep the Python layers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderLayer, DecoderLM
-from worker.models.packed_linear import GEMV_MAX_ROWS, PackedLinear
+from worker.models.packed_linear import PackedLinear
 from worker.ops import NativeOps, Ops
 
 
@@ -30,22 +32,21 @@ class DecodeStack:
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
         self.rope = args.layer_ropes[0] if args.layer_ropes else "default"
-        self.weights: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.plain: list[torch.Tensor | None] = []  # per projection: the GEMV's weight
+        self.packed: list[torch.Tensor] = []  # per projection: oneDNN's
         self.biases: list[torch.Tensor | None] = []
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = _gemv_linear(attn.qkv_proj), _gemv_linear(attn.o_proj)
-            gate_up, down = _gemv_linear(mlp.gate_up_proj), _gemv_linear(mlp.down_proj)
-            self.weights += [
-                layer.input_layernorm.weight.detach(),
-                _plain(qkv),
-                _plain(o),
-                layer.post_attention_layernorm.weight.detach(),
-                _plain(gate_up),
-                _plain(down),
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            self.norms += [norm.weight.detach() for norm in norms]
+            linears = [
+                _packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
-            self.biases += [qkv.bias, o.bias]
+            self.plain += [linear.weight for linear in linears]
+            self.packed += [linear.packed_weight for linear in linears]
+            self.biases += [linears[0].bias, linears[1].bias]
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -61,16 +62,16 @@ class DecodeStack:
         if not (llama_shaped and model.tp.size == 1 and isinstance(ops, NativeOps)):
             return None
         layers = list(model.model.layers)
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, PackedLinear)]
-        if len(linears) != 4 * len(layers) or any(m.weight is None for m in linears):
-            return None  # not every projection has the GEMV (not bfloat16, no AVX512-BF16)
+        packed = [m for layer in layers for m in layer.modules() if isinstance(m, PackedLinear)]
+        if len(packed) != 4 * len(layers):
+            return None  # not packed for oneDNN (float32, or no oneDNN)
         return DecodeStack(model, ops)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step is one the stack runs: decodes only, 1-4 of them."""
+        """Whether this step is one the stack runs: decodes only."""
         return (
             not meta.prefills
-            and 0 < num_tokens <= GEMV_MAX_ROWS
+            and num_tokens > 0
             and meta.decode_block_table is not None
             and meta.decode_context_lens is not None
         )
@@ -87,7 +88,9 @@ class DecodeStack:
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
         return self.kernels.decode_layers(
             x,
-            self.weights,
+            self.norms,
+            self.plain,
+            self.packed,
             self.biases,
             kv_caches,
             self.windows,
@@ -105,13 +108,7 @@ class DecodeStack:
         )
 
 
-def _gemv_linear(module: object) -> PackedLinear:
+def _packed(module: object) -> PackedLinear:
     if not isinstance(module, PackedLinear):
         raise TypeError(f"expected a PackedLinear, got {type(module).__name__}")
     return module
-
-
-def _plain(linear: PackedLinear) -> torch.Tensor:
-    if linear.weight is None:
-        raise ValueError("the fused decode step needs every projection's plain weight")
-    return linear.weight

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
-from worker.models.packed_linear import GEMV_MAX_ROWS, can_pack, pack_linears
+from worker.models.packed_linear import can_pack, pack_linears
 from worker.models.registry import model_class_for
 from worker.ops import Ops, TorchOps
 from worker.parallel import TensorParallel
@@ -127,7 +127,5 @@ def load_model(
     if isinstance(model, DecoderLM) and ops is not None:
         model.fused_decode = DecodeStack.build(model, ops)
         if model.fused_decode is not None:
-            logger.info(
-                "decode steps of 1-%d rows run every layer in one native call", GEMV_MAX_ROWS
-            )
+            logger.info("decode-only steps run every layer in one native call")
     return model.eval()

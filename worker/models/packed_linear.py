@@ -50,6 +50,7 @@ class PackedLinear(nn.Module):
     given a ``gemv``, batches of up to ``GEMV_MAX_ROWS`` rows go to it over the plain
     weight, kept for it."""
 
+    packed_weight: torch.Tensor
     weight: torch.Tensor | None  # the plain weight, kept only for the gemv
     bias: torch.Tensor | None
 
