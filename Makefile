@@ -52,12 +52,18 @@ test-fast: setup
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-# The standard set (about an hour here, most of it the transformers peers). The llama-server peer is built apart, once,
+# The standard set (over an hour here, most of it the transformers peers). The llama-server peer is built apart, once,
 # by `make bench-peers`; without it the serving benchmark says so and goes on.
 bench: setup
 	$(PY) -m bench.floor
 	$(PY) -m bench.forward
-	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 4
+	$(PY) -m bench.gemv
+	$(PY) -m bench.step_profile
+	# The performance issue's workload against both llama.cpp peers (make bench-peers).
+	$(PY) -m bench.serving --workload chat --concurrency 1 8 32 \
+		--systems tandem,llama-server,llama-server-bf16 --name serving-chat
+	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 4 \
+		--systems tandem,tandem-static,llama-server,hf-sequential,hf-static,hf-continuous
 	# 32 requests for 32 clients is one batch either way: continuous batching shows only
 	# when clients come back for more, so this point sends 3 requests per client.
 	$(PY) -m bench.serving --workload mixed --concurrency 32 --num-requests 96 \

@@ -8,7 +8,8 @@ Systems (each skipped with a printed reason when unavailable):
   tandem-static     tandem serve --batching static
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
   tandem-split-tcp  the same, KV streamed over TCP
-  llama-server      llama.cpp on the same SmolLM2 GGUF, one slot per client (make bench-peers)
+  llama-server      llama.cpp on the SmolLM2 GGUF as it ships (Q4_1), one slot per client
+  llama-server-bf16 llama.cpp on a bf16 GGUF of Tandem's own weights (both: make bench-peers)
   hf-sequential     transformers generate, one request at a time
   hf-static         transformers generate on padded batches of `concurrency` requests
   hf-continuous     transformers' own continuous batching (generate_batch's manager)
@@ -45,6 +46,7 @@ SYSTEMS = (
     "tandem-split",
     "tandem-split-tcp",
     "llama-server",
+    "llama-server-bf16",
     "hf-sequential",
     "hf-static",
     "hf-continuous",
@@ -134,10 +136,13 @@ class Systems:
                 flags += ("--kv-transfer", SPLIT[system])
             url, pid = self.stack.enter_context(tandem_process(*flags))
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
-        elif system == "llama-server":
+        elif system in ("llama-server", "llama-server-bf16"):
             if llama.binary() is None:
                 raise FileNotFoundError("llama-server not built (run `make bench-peers`)")
-            url, pid = self.stack.enter_context(llama.llama_server(max_c))
+            gguf = llama.bf16_gguf() if system == "llama-server-bf16" else llama.gguf()
+            if gguf is None:
+                raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
+            url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf))
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL, True), pid
         else:
             if self.args.rate is not None:
@@ -343,13 +348,15 @@ def yardstick(points: list[dict[str, Any]], peaks: dict[str, int]) -> list[str]:
         if tandem and (other, top) in by:
             r = tandem["output_tok_s"] / by[(other, top)]["output_tok_s"]
             lines.append(f"c={top}: tandem continuous = {r:.2f}x {other} in output tok/s")
-    single, llama_single = by.get(("tandem", 1)), by.get(("llama-server", 1))
-    if single and llama_single and single["itl_s"]["p50"] and llama_single["itl_s"]["p50"]:
-        r = single["itl_s"]["p50"] / llama_single["itl_s"]["p50"]
-        lines.append(
-            f"c=1: tandem ITL p50 = {r:.2f}x llama-server's; goal <= 1.2x -> "
-            f"{'met' if r <= 1.2 else 'NOT met'}"
-        )
+    # ITL at one client: the Q4_1 GGUF (#9's goal) and the same weights in bf16 (#12's).
+    for peer, goal in (("llama-server", 1.2), ("llama-server-bf16", 1.0)):
+        single, peer_single = by.get(("tandem", 1)), by.get((peer, 1))
+        if single and peer_single and single["itl_s"]["p50"] and peer_single["itl_s"]["p50"]:
+            r = single["itl_s"]["p50"] / peer_single["itl_s"]["p50"]
+            lines.append(
+                f"c=1: tandem ITL p50 = {r:.2f}x {peer}'s; goal <= {goal}x -> "
+                f"{'met' if r <= goal else 'NOT met'}"
+            )
     for split in SPLIT:
         for c in sorted({p["concurrency"] for p in points}):
             ours = next((p for p in points if (p["system"], p["concurrency"]) == (split, c)), None)

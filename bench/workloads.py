@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # Ordinary vocabulary ids of SmolLM2 (below are bytes and special tokens).
 _TOKEN_RANGE = (1_000, 45_000)
-WORKLOADS = ("single", "mixed", "shared-prefix", "long-prompt-interference")
+WORKLOADS = ("single", "chat", "mixed", "shared-prefix", "long-prompt-interference")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ def make_requests(workload: str, num_requests: int, seed: int = 0) -> list[Bench
     rng = random.Random(seed)
     if workload == "single":
         return [BenchRequest(_tokens(rng, 256), 256) for _ in range(num_requests)]
+    if workload == "chat":
+        # Short distinct prompts (a templated chat turn's length), 128 tokens each: the
+        # decode-bound workload of the performance issue.
+        return [BenchRequest(_tokens(rng, rng.randint(24, 64)), 128) for _ in range(num_requests)]
     if workload == "mixed":
         return [
             BenchRequest(_tokens(rng, rng.randint(32, 1024)), rng.randint(64, 256))

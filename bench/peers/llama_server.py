@@ -1,5 +1,6 @@
 """llama.cpp's ``llama-server`` as a peer: built by ``make bench-peers`` into the cache,
-started on the same SmolLM2 GGUF with one parallel slot per concurrent client."""
+started with one parallel slot per concurrent client on SmolLM2 as it ships (the Q4_1
+GGUF) or on a bfloat16 GGUF converted from the safetensors Tandem serves."""
 
 from __future__ import annotations
 
@@ -22,12 +23,22 @@ def binary() -> Path | None:
 
 
 def gguf() -> Path:
+    """The GGUF SmolLM2 ships as (Q4_1 linears, Q8_0 embedding)."""
     return find_embedded_gguf(EMBEDDED_MODELS["smollm2-135m-instruct"])
 
 
+def bf16_gguf() -> Path | None:
+    """The bfloat16 GGUF ``make bench-peers`` converts from Tandem's safetensors."""
+    path = cache_root() / f"llama.cpp-{VERSION}" / "smollm2-135m-instruct-bf16.gguf"
+    return path if path.is_file() else None
+
+
 @contextmanager
-def llama_server(slots: int, context_per_slot: int = 1536) -> Iterator[tuple[str, int]]:
-    """Yields the URL and pid of a llama-server with ``slots`` parallel slots."""
+def llama_server(
+    slots: int, model: Path | None = None, context_per_slot: int = 1536
+) -> Iterator[tuple[str, int]]:
+    """Yields the URL and pid of a llama-server with ``slots`` parallel slots on ``model``
+    (default: the shipped GGUF)."""
     exe = binary()
     if exe is None:
         raise FileNotFoundError("llama-server is not built; run `make bench-peers`")
@@ -35,7 +46,7 @@ def llama_server(slots: int, context_per_slot: int = 1536) -> Iterator[tuple[str
     cmd = [
         str(exe),
         "-m",
-        str(gguf()),
+        str(model or gguf()),
         "--host",
         "127.0.0.1",
         "--port",

@@ -61,6 +61,9 @@ def test_workloads_are_seeded_and_shaped() -> None:
     assert [r.kind for r in interference].count("long") == 2
     assert all(len(r.prompt_ids) == 2000 for r in interference if r.kind == "long")
     assert [len(r.prompt_ids) for r in make_requests("single", 2)] == [256, 256]
+    chat = make_requests("chat", 32)
+    assert len({tuple(r.prompt_ids) for r in chat}) == 32  # distinct prompts
+    assert all(24 <= len(r.prompt_ids) <= 64 and r.max_tokens == 128 for r in chat)
     with pytest.raises(ValueError, match="unknown workload"):
         make_requests("nope", 1)
 
