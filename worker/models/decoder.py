@@ -195,7 +195,7 @@ class FusedDecode(Protocol):
 class DecoderLM(CausalLM):
     """``forward`` takes the flattened tokens of the whole step and returns hidden states;
     ``compute_logits`` is applied only to the rows that are sampled. Once loaded, a
-    ``fused_decode`` (set by the loader where one applies) takes small decode steps."""
+    ``fused_decode`` (set by the loader where one applies) takes decode-only steps."""
 
     @staticmethod
     def parse_config(cfg: dict[str, Any]) -> DecoderArgs:
