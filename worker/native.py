@@ -50,7 +50,7 @@ SOURCES = [
         "decode_stack.cpp",
     )
 ]
-HEADERS = [CSRC / "simd.h"]
+HEADERS = [CSRC / "simd.h", CSRC / "kernels.h"]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
 # The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on
 # top of the level below it (the psABI's micro-architecture levels).

@@ -19,18 +19,7 @@
 #include <tuple>
 #include <vector>
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                            const at::Tensor& block_table, const at::Tensor& context_lens,
-                            double scale, int64_t window, int64_t block_size);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& add,
-                                                const at::Tensor& weight, double eps, bool gemma);
-void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
-              const at::Tensor& v);
-void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias);
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,35 @@
+// Every native kernel's signature, one place for the module (module.cpp) and for the
+// kernels that call others (decode_stack.cpp): a declaration that drifted from its
+// definition would link as an undefined symbol only at import.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& context_lens,
+                            double scale, int64_t window, int64_t block_size);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& add,
+                                                const at::Tensor& weight, double eps, bool gemma);
+void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v);
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
+bool has_bf16_gemv();
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias);
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
+                         const std::vector<std::optional<at::Tensor>>& plain,
+                         const std::vector<at::Tensor>& packed,
+                         const std::vector<std::optional<at::Tensor>>& biases,
+                         std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
+                         const at::Tensor& slots, const at::Tensor& block_table,
+                         const at::Tensor& context_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t block_size, double eps, double scale);
