@@ -48,6 +48,7 @@ SOURCES = [
         "elementwise.cpp",
         "gemv.cpp",
         "decode_stack.cpp",
+        "gguf_linear.cpp",
     )
 ]
 HEADERS = [CSRC / "simd.h", CSRC / "kernels.h"]
@@ -112,6 +113,14 @@ class NativeKernels(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def gguf_dequantize(
+        self, weight: torch.Tensor, type: int, in_features: int
+    ) -> torch.Tensor: ...
+
+    def gguf_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, type: int, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
     def decode_layers(
         self,
         x: torch.Tensor,
@@ -119,6 +128,8 @@ class NativeKernels(Protocol):
         plain: list[torch.Tensor | None],
         packed: list[torch.Tensor],
         biases: list[torch.Tensor | None],
+        gguf_types: list[int],
+        gguf_fused_max_rows: int,
         kv_caches: list[torch.Tensor],
         windows: list[int],
         slots: torch.Tensor,

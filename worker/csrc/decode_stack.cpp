@@ -10,7 +10,9 @@
 // with optional bias, residual add + RMSNorm, fused gate/up, SiLU-and-multiply, down
 // projection, residual add) reads norms[2 l + i] (input, post-attention), plain[4 l + i]
 // and packed[4 l + i] (qkv, o, gate_up, down: the plain weight where the GEMV takes
-// 1-4 rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's).
+// 1-4 rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's). With
+// --quantization gguf a projection is a QuantLinear instead: gguf_types[4 l + i] is its
+// ggml type (-1 for a PackedLinear), plain[4 l + i] its blocks, packed[4 l + i] unused.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -47,6 +49,31 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
   return onednn_linear(x, packed, bias);
 }
 
+// QuantLinear.forward (one segment of blocks): up to fused_max_rows float32 rows on the
+// fused dequantize-and-dot kernel, else a dense matmul over the weight dequantized.
+at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                           const std::optional<at::Tensor>& bias, int64_t fused_max_rows) {
+  if (x.size(0) <= fused_max_rows)
+    return gguf_linear(x.to(at::kFloat).contiguous(), blocks, type, bias).to(x.scalar_type());
+  const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1)).to(x.scalar_type());
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(x.scalar_type());
+  return at::linear(x, weight, b);
+}
+
+struct Projections {
+  const std::optional<at::Tensor>* plain;
+  const at::Tensor* packed;
+  const int64_t* gguf_types;
+  int64_t gguf_fused_max_rows;
+
+  at::Tensor operator()(size_t i, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+    if (gguf_types[i] >= 0)
+      return gguf_projection(x, *plain[i], gguf_types[i], bias, gguf_fused_max_rows);
+    return linear(x, plain[i], packed[i], bias);
+  }
+};
+
 }  // namespace
 
 // x [n, hidden] (the embeddings) -> the last layer's output [n, hidden], before the
@@ -55,6 +82,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
                          const std::vector<std::optional<at::Tensor>>& plain,
                          const std::vector<at::Tensor>& packed,
                          const std::vector<std::optional<at::Tensor>>& biases,
+                         const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
                          const at::Tensor& context_lens, const at::Tensor& cos,
@@ -64,6 +92,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
   TORCH_CHECK(norms.size() == layers * kNormsPerLayer &&
                   plain.size() == layers * kLinearsPerLayer &&
                   packed.size() == layers * kLinearsPerLayer &&
+                  gguf_types.size() == layers * kLinearsPerLayer &&
                   biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
               "decode_layers: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
               " plain and packed weights, ", kBiasesPerLayer, " biases, a cache and a window");
@@ -73,11 +102,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
   at::Tensor x = x_in;
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* norm = &norms[l * kNormsPerLayer];
-    const std::optional<at::Tensor>* w = &plain[l * kLinearsPerLayer];
-    const at::Tensor* p = &packed[l * kLinearsPerLayer];
+    const size_t first = l * kLinearsPerLayer;
+    const Projections proj{&plain[first], &packed[first], &gguf_types[first], gguf_fused_max_rows};
     const std::optional<at::Tensor>* b = &biases[l * kBiasesPerLayer];
     // Attention.forward
-    at::Tensor qkv = linear(rms_norm(x, norm[0], eps, false), w[0], p[0], b[0])
+    at::Tensor qkv = proj(0, rms_norm(x, norm[0], eps, false), b[0])
                          .view({n, heads + 2 * kv_heads, head_dim});
     at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
     rotary_(qk, cos, sin, heads + kv_heads);
@@ -86,11 +115,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
     write_kv(kv_caches[l], slots, k, v);  // paged_attention, every token a decode
     at::Tensor attn = decode_attention(qkv.narrow(1, 0, heads).contiguous(), kv_caches[l],
                                        block_table, context_lens, scale, windows[l], block_size);
-    at::Tensor o = linear(attn.reshape({n, heads * head_dim}), w[1], p[1], b[1]);
+    at::Tensor o = proj(1, attn.reshape({n, heads * head_dim}), b[1]);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
     auto [residual, h] = add_rms_norm(x, o, norm[1], eps, false);
-    at::Tensor act = silu_mul(linear(h, w[2], p[2], std::nullopt));
-    x = at::add(residual, linear(act, w[3], p[3], std::nullopt));
+    at::Tensor act = silu_mul(proj(2, h, std::nullopt));
+    x = at::add(residual, proj(3, act, std::nullopt));
   }
   return x;
 }

@@ -24,10 +24,14 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 bool has_bf16_gemv();
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                       const std::optional<at::Tensor>& bias);
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                          const std::vector<std::optional<at::Tensor>>& plain,
                          const std::vector<at::Tensor>& packed,
                          const std::vector<std::optional<at::Tensor>>& biases,
+                         const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
                          const at::Tensor& context_lens, const at::Tensor& cos,

@@ -5,8 +5,10 @@ of a batch-1 step, more than its attention. ``worker/csrc/decode_stack.cpp`` run
 very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` over ``PackedLinear``
 projections (the GEMV for 1-4 rows where it exists, oneDNN's packed matmul otherwise),
 in the same order with the same arguments, so a step through it is bit-identical to one
-through the Python layers. It applies where that holds and the model is llama-shaped:
-Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the native kernels. Qwen3's q/k
+through the Python layers; ``QuantLinear`` projections of one block type
+(``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
+the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
+native kernels. Qwen3's q/k
 norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
 a prefill keep the Python layers.
 """
@@ -18,6 +20,7 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderLayer, DecoderLM
 from worker.models.packed_linear import PackedLinear
+from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
 from worker.ops import NativeOps, Ops
 
 
@@ -35,17 +38,28 @@ class DecodeStack:
         self.norms: list[torch.Tensor] = []
         self.plain: list[torch.Tensor | None] = []  # per projection: the GEMV's weight
         self.packed: list[torch.Tensor] = []  # per projection: oneDNN's
+        self.gguf_types: list[int] = []  # per projection: its ggml type, -1 if not GGUF
         self.biases: list[torch.Tensor | None] = []
+        unused = torch.empty(0)
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             self.norms += [norm.weight.detach() for norm in norms]
             linears = [
-                _packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                _projection(m)
+                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
-            self.plain += [linear.weight for linear in linears]
-            self.packed += [linear.packed_weight for linear in linears]
+            for linear in linears:
+                if isinstance(linear, QuantLinear):
+                    (segment,) = linear.segments
+                    self.plain.append(segment.data)
+                    self.packed.append(unused)
+                    self.gguf_types.append(segment.type)
+                else:
+                    self.plain.append(linear.weight)
+                    self.packed.append(linear.packed_weight)
+                    self.gguf_types.append(-1)
             self.biases += [linears[0].bias, linears[1].bias]
 
     @staticmethod
@@ -62,9 +76,16 @@ class DecodeStack:
         if not (llama_shaped and model.tp.size == 1 and isinstance(ops, NativeOps)):
             return None
         layers = list(model.model.layers)
-        packed = [m for layer in layers for m in layer.modules() if isinstance(m, PackedLinear)]
-        if len(packed) != 4 * len(layers):
-            return None  # not packed for oneDNN (float32, or no oneDNN)
+        if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+            return None
+        projections = [
+            m
+            for layer in layers
+            for m in layer.modules()
+            if isinstance(m, PackedLinear) or (isinstance(m, QuantLinear) and len(m.segments) == 1)
+        ]
+        if len(projections) != 4 * len(layers):
+            return None  # not packed for oneDNN (no oneDNN), or GGUF blocks of mixed types
         return DecodeStack(model, ops)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
@@ -92,6 +113,8 @@ class DecodeStack:
             self.plain,
             self.packed,
             self.biases,
+            self.gguf_types,
+            FUSED_MAX_ROWS,
             kv_caches,
             self.windows,
             meta.slot_mapping,
@@ -108,7 +131,7 @@ class DecodeStack:
         )
 
 
-def _packed(module: object) -> PackedLinear:
-    if not isinstance(module, PackedLinear):
-        raise TypeError(f"expected a PackedLinear, got {type(module).__name__}")
+def _projection(module: object) -> PackedLinear | QuantLinear:
+    if not isinstance(module, PackedLinear | QuantLinear):
+        raise TypeError(f"expected a PackedLinear or QuantLinear, got {type(module).__name__}")
     return module

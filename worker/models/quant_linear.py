@@ -1,0 +1,132 @@
+"""Linear layers over GGUF-quantized weights (``--quantization gguf``), and the pass that
+puts them in a loaded model in place of its projections.
+
+The weights stay in the file's blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, ...), so a decode
+step reads ~3x fewer bytes than in bfloat16. Up to ``FUSED_MAX_ROWS`` rows (decode
+steps) go to the native ``gguf_linear``: each weight row dequantized in cache and dotted
+with every input row in float32. Larger batches (prefill chunks) dequantize the whole
+weight for the call and run one dense matmul in the activations' dtype, where the
+matmul's cost dwarfs the dequantization. Dequantization is exact (bit for bit
+gguf-py's, which transformers loads GGUF files with), so float32 parity holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.models.gguf_weights import GgufFile, GgufWeight
+from worker.native import NativeKernels
+
+logger = logging.getLogger(__name__)
+
+# Past this many rows one dense matmul over the dequantized weight is faster
+# (python -m bench.gguf_linear).
+FUSED_MAX_ROWS = 32
+# Our fused projections and the checkpoint projections they are made of, in order.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Consecutive output rows of one block type."""
+
+    type: int
+    data: torch.Tensor
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` (inference only) over GGUF blocks: the weights of ``parts`` side by
+    side (their outputs concatenated), with an optional float bias."""
+
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, parts: list[GgufWeight], bias: torch.Tensor | None, kernels: NativeKernels
+    ) -> None:
+        super().__init__()
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.type_names = [p.type_name for p in parts]
+        self.kernels = kernels
+        segments: list[_Segment] = []
+        for part in parts:  # rows of one type are one segment: one kernel call
+            if segments and segments[-1].type == part.type:
+                last = segments.pop()
+                segments.append(_Segment(part.type, torch.cat([last.data, part.data])))
+            else:
+                segments.append(_Segment(part.type, part.data))
+        self.segments = segments
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().float(), persistent=False
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() for s in self.segments)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``[out, in]``, as transformers holds it."""
+        parts = [
+            self.kernels.gguf_dequantize(s.data, s.type, self.in_features) for s in self.segments
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= FUSED_MAX_ROWS:
+            rows = flat.float().contiguous()
+            if len(self.segments) == 1:  # as decode_stack.cpp's gguf_projection does
+                (s,) = self.segments
+                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias)
+            else:
+                outs = [self.kernels.gguf_linear(rows, s.data, s.type, None) for s in self.segments]
+                out = torch.cat(outs, dim=1)
+                if self.bias is not None:
+                    out += self.bias
+            out = out.to(x.dtype)
+        else:
+            weight = self.dequantized().to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            out = nn.functional.linear(flat, weight, bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _parts_of(module_name: str) -> list[str]:
+    prefix, _, last = module_name.rpartition(".")
+    parts = FUSED_PARTS.get(last)
+    return [f"{prefix}.{p}" for p in parts] if parts else [module_name]
+
+
+def quantize_linears(
+    model: nn.Module, gguf: GgufFile, kernels: NativeKernels, tied_embeddings: bool
+) -> Counter[str]:
+    """Replace every projection of ``model`` (loaded and fused) whose weights the GGUF
+    holds as blocks by a ``QuantLinear``; returns how many of each block type. Those it
+    holds as plain floats stay ``nn.Linear``. A tied LM head reads the token embedding's
+    blocks (the embedding lookup itself keeps the loaded float table)."""
+    counts: Counter[str] = Counter()
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            fallback = "token_embd.weight" if name == "lm_head" and tied_embeddings else None
+            parts = [gguf.weight(part, fallback) for part in _parts_of(name)]
+            if any(p is None for p in parts):
+                continue
+            weights = [p for p in parts if p is not None]
+            out_features = sum(w.out_features for w in weights)
+            if (out_features, weights[0].in_features) != tuple(child.weight.shape):
+                raise ValueError(
+                    f"{gguf.path}: {', '.join(w.name for w in weights)} make a "
+                    f"[{out_features}, {weights[0].in_features}] weight, but {name} is "
+                    f"{list(child.weight.shape)}"
+                )
+            setattr(parent, child_name, QuantLinear(weights, child.bias, kernels))
+            counts.update(w.type_name for w in weights)
+    return counts
