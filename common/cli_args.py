@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import API_KEYS_ENV, ATTENTION_BACKENDS, DTYPES, TandemConfig
+from common.config import API_KEYS_ENV, ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, TandemConfig
 from common.env_flags import apply_env_defaults
 
 
@@ -50,6 +50,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="on CPU: native = Tandem's C++ kernels for decode attention, KV writes, RoPE, "
         "RMSNorm and SwiGLU (built once with gcc, cached), torch = PyTorch ops only, "
         "auto = native when it builds (default: %(default)s)",
+    )
+    m.add_argument(
+        "--quantization",
+        default=d.model.quantization,
+        choices=QUANTIZATIONS,
+        help="gguf = keep the projections of a GGUF model (an embedded one or a *.gguf "
+        "--model) in the file's quantized blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) "
+        "and compute with fused dequantize-and-dot kernels: ~3x fewer bytes per decode "
+        "step; native CPU kernels only (default: %(default)s)",
     )
     m.add_argument(
         "--generation-config",

@@ -20,6 +20,9 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
+# none: weights as the model's dtype; gguf: projections kept in the GGUF's blocks.
+Quantization = Literal["none", "gguf"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -38,6 +41,7 @@ class ModelConfig:
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
     # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
+    quantization: Quantization = "none"
     # Sampling defaults for fields a request leaves out: "auto" = the model's
     # generation_config.json, "vllm" = none (OpenAI's), or a directory with that file.
     generation_config: str = "auto"
@@ -52,6 +56,14 @@ class ModelConfig:
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
+        )
+        _require(
+            self.quantization != "gguf" or self.attention_backend != "torch",
+            "--quantization gguf runs on the native CPU kernels, not --attention-backend torch",
         )
         _require(
             self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),

@@ -1,5 +1,5 @@
-"""Finding a model's files: embedded GGUF models (converted once into a cache) or a
-local Hugging Face directory.
+"""Finding a model's files: embedded GGUF models or a local ``*.gguf`` file (converted
+once into a cache), or a local Hugging Face directory.
 
 The API server needs the tokenizer and the workers need the weights, so both call
 ``resolve_model_dir``; conversion happens at most once per cache, under a file lock.
@@ -8,6 +8,7 @@ The API server needs the tokenizer and the workers need the weights, so both cal
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +90,71 @@ def find_embedded_gguf(model: EmbeddedModel, workdir: Path | None = None) -> Pat
     raise ValueError(f"{model.gguf_filename} not found in the installed {model.package} package")
 
 
+# GGUF ``general.architecture`` -> the Hugging Face class our registry serves it as.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def gguf_architecture(path: Path) -> str:
+    """The Hugging Face architecture of a GGUF file, from its metadata."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    except Exception as e:  # gguf raises ValueError/struct.error/... on a bad file
+        raise ValueError(f"--model {path} is not a readable GGUF file: {e}") from None
+    name = bytes(field.parts[-1]).decode() if field is not None else "(none)"
+    if name not in GGUF_ARCHITECTURES:
+        known = ", ".join(sorted(GGUF_ARCHITECTURES))
+        raise ValueError(f"--model {path}: GGUF architecture {name!r} is not served ({known} are)")
+    return GGUF_ARCHITECTURES[name]
+
+
+def ensure_local_gguf_converted(path: Path) -> Path:
+    """A local GGUF file converted like an embedded model, cached under a name that
+    changes when the file does (its path, size and modification time)."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _convert_once(f"gguf-{path.stem}-{key}", gguf_architecture(path), lambda _: path)
+
+
+def gguf_source(name_or_path: str) -> Path:
+    """The GGUF file a model's weights come from (``--quantization gguf`` keeps its
+    blocks): an embedded model's, or the ``*.gguf`` given as ``--model``."""
+    embedded = EMBEDDED_MODELS.get(name_or_path)
+    if embedded is not None:
+        return find_embedded_gguf(embedded)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    converted = _converted_from(path) if path.is_dir() else None
+    if converted is not None:  # the launcher hands children the converted directory
+        return converted
+    raise ValueError(
+        f"--quantization gguf needs a GGUF model (an embedded one or a *.gguf file); "
+        f"--model {name_or_path!r} is neither"
+    )
+
+
+def _converted_from(directory: Path) -> Path | None:
+    """The GGUF a cached directory was converted from, if it was and the file is there."""
+    try:
+        info = json.loads((directory / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    # An embedded model's GGUF is found (or assembled) anew: an assembled one was scratch.
+    embedded = EMBEDDED_MODELS.get(info.get("embedded") or directory.name)
+    if embedded is not None and directory.resolve() == ensure_converted(embedded).resolve():
+        return find_embedded_gguf(embedded)
+    source = Path(info.get("source", ""))
+    return source if source.is_file() else None
+
+
 def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
@@ -100,34 +167,47 @@ def resolve_model_dir(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir() and is_model_dir(path):
         return path.resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_local_gguf_converted(path)
     names = ", ".join(sorted(EMBEDDED_MODELS))
     raise ValueError(
-        f"--model {name_or_path!r} is neither an embedded model ({names}) nor a directory "
-        "with config.json and *.safetensors"
+        f"--model {name_or_path!r} is neither an embedded model ({names}), a *.gguf file "
+        "nor a directory with config.json and *.safetensors"
     )
 
 
 def ensure_converted(model: EmbeddedModel) -> Path:
     """Convert the embedded GGUF into the cache once; later calls return at once."""
-    target = cache_root() / "models" / model.name
+    return _convert_once(
+        model.name, model.architecture, lambda parts: find_embedded_gguf(model, parts), model.name
+    )
+
+
+def _convert_once(
+    name: str, architecture: str, locate: Callable[[Path], Path], embedded: str | None = None
+) -> Path:
+    """Convert the GGUF ``locate(scratch_dir)`` returns into ``models/NAME`` in the
+    cache, once (under a file lock: another process may be converting right now)."""
+    target = cache_root() / "models" / name
     if (target / _COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{model.name}.lock"
+    lock_path = target.parent / f".{name}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
         if (target / _COMPLETE_MARKER).is_file():
             return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
             parts = staging / "gguf"  # an assembled GGUF lives only while converting
-            gguf = find_embedded_gguf(model, parts)
-            logger.info("converting %s once from %s into %s", model.name, gguf, target)
+            gguf = locate(parts)
+            logger.info("converting %s once from %s into %s", name, gguf, target)
             from common.gguf_convert import convert_gguf  # heavy: torch + transformers
 
-            convert_gguf(gguf, staging, model.architecture)
+            convert_gguf(gguf, staging, architecture)
             shutil.rmtree(parts, ignore_errors=True)
-            (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+            marker = {"source": str(gguf), "embedded": embedded}
+            (staging / _COMPLETE_MARKER).write_text(json.dumps(marker))
             # mkdtemp's 0700 (and the converter's 0600 files) would hide the model from
             # other users: an image converts as root and serves as its own user.
             staging.chmod(0o755)

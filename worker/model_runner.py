@@ -85,15 +85,18 @@ class ModelRunner:
         attention_backend: AttentionBackend = "auto",
         kv_segment: str | None = None,
         tp: TensorParallel | None = None,
+        quantized_from: Path | None = None,
     ) -> None:
         """``kv_segment``: map the KV caches from this shared-memory segment (split pools
         with ``--kv-transfer shm``) instead of allocating them here. ``tp``: this rank's
-        place in its pool's tensor-parallel group (it holds and caches its shard only)."""
+        place in its pool's tensor-parallel group (it holds and caches its shard only).
+        ``quantized_from``: the GGUF whose quantized projections to keep
+        (``--quantization gguf``)."""
         self.device = device
         self.tp = tp or TensorParallel()
         self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
-        self.model = load_model(model_dir, dtype, device, self.ops, self.tp)
+        self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantized_from)
         self.model_info = read_model_info(model_dir, max_model_len)
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype

@@ -39,7 +39,7 @@ from common.messages import (
     WorkerInput,
     WorkerReady,
 )
-from common.model_files import resolve_model_dir
+from common.model_files import gguf_source, resolve_model_dir
 from common.process import die_with_parent, release_free_memory
 from worker.engine_link import EngineLink, enable_heartbeats
 
@@ -141,6 +141,7 @@ def _build_runner(
         config.model.attention_backend,
         kv_segment(config.disagg, pool, rank),
         tp,
+        gguf_source(config.model.model) if config.model.quantization == "gguf" else None,
     )
     attach_kv_transport(runner, config, pool, ctx, keys)
     runner.warm_up()

@@ -1,5 +1,6 @@
 """Greedy outputs of the embedded real models through the HTTP server (float32) equal
-transformers' generate on the same GGUF weights, one request at a time and all at once."""
+transformers' generate on the same GGUF weights, one request at a time and all at once;
+and all at once with ``--quantization gguf`` (SmolLM2's given as its ``*.gguf`` file)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def served_url(model_name: str, server: TandemStack) -> Iterator[str]:
         yield server.url  # the shared float32 stack
         return
     with TandemStack("--model", model_name, "--dtype", "float32") as stack:
+        yield stack.url
+
+
+@pytest.fixture(scope="module")
+def gguf_served_url(model_name: str) -> Iterator[str]:
+    """The projections kept in the GGUF's blocks; SmolLM2 served from its GGUF file as
+    a user's local ``*.gguf`` would be."""
+    model = model_name
+    if model_name == "smollm2-135m-instruct":
+        model = str(find_embedded_gguf(EMBEDDED_MODELS[model_name]))
+    flags = ("--model", model, "--served-model-name", model_name, "--quantization", "gguf")
+    with TandemStack(*flags, "--dtype", "float32") as stack:
         yield stack.url
 
 
@@ -102,6 +115,20 @@ def test_one_after_another(
 def test_all_at_once(
     served_url: str, model_name: str, expected: list[Any], logprob_fns: tuple[Any, Any]
 ) -> None:
+    answers = all_at_once(served_url, model_name, expected)
+    for (prompt, ref), ours in zip(expected, answers, strict=True):
+        assert_greedy_parity(prompt, ours, ref, *logprob_fns)
+
+
+def test_gguf_blocks_all_at_once(
+    gguf_served_url: str, model_name: str, expected: list[Any], logprob_fns: tuple[Any, Any]
+) -> None:
+    answers = all_at_once(gguf_served_url, model_name, expected)
+    for (prompt, ref), ours in zip(expected, answers, strict=True):
+        assert_greedy_parity(prompt, ours, ref, *logprob_fns)
+
+
+def all_at_once(served_url: str, model_name: str, expected: list[Any]) -> list[list[int]]:
     async def send_all() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=120) as client:
 
@@ -119,5 +146,6 @@ def test_all_at_once(
 
             return list(await asyncio.gather(*(one(p) for p, _ in expected)))
 
-    for (prompt, ref), ours in zip(expected, asyncio.run(send_all()), strict=True):
-        assert_greedy_parity(prompt, ours, ref, *logprob_fns)
+    answers = asyncio.run(send_all())
+    assert len(answers) == len(expected)
+    return answers

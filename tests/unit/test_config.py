@@ -22,9 +22,12 @@ def test_cli_round_trip() -> None:
         "ipc:///tmp/a",
         "--output-address",
         "tcp://127.0.0.1:5555",
+        "--quantization",
+        "gguf",
     ]
     config = parse_config(argv)
     assert config.model.dtype == "float32" and config.scheduler.max_num_seqs == 4
+    assert config.model.quantization == "gguf"
     assert config.served_model_name == "x"
     assert parse_config(config.to_cli_args()) == config
 
@@ -43,6 +46,11 @@ def test_defaults() -> None:
         (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs must be at least 1"),
         (lambda: CacheConfig(kv_cache_gb=0), "--kv-cache-gb must be positive"),
         (lambda: EngineAddresses(input_address="http://x"), "--input-address must start with"),
+        (lambda: ModelConfig(quantization="awq"), "--quantization must be one of none, gguf"),  # type: ignore[arg-type]
+        (
+            lambda: ModelConfig(quantization="gguf", attention_backend="torch"),
+            "--quantization gguf runs on the native CPU kernels",
+        ),
     ],
 )
 def test_invalid_values_raise_clear_errors(build: object, message: str) -> None:

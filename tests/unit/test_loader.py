@@ -7,8 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.model_files import gguf_source, resolve_model_dir
 from tests.parity.families import build
 from worker.models.loader import load_model
+from worker.native import load_native_kernels
+from worker.ops import NativeOps, TorchOps
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +81,17 @@ def test_sharded_checkpoint_loads(tiny_qwen2: Path, tmp_path: Path) -> None:
     b = load_model(sharded, torch.float32, torch.device("cpu"))
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
+
+
+def test_gguf_quantization_refuses_what_it_cannot_serve(tiny_qwen2: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"needs a GGUF model .* is neither"):
+        gguf_source(str(tiny_qwen2))  # safetensors, not converted from a GGUF
+    garbage = tmp_path / "broken.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        resolve_model_dir(str(garbage))
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        load_model(tiny_qwen2, torch.float32, cpu, NativeOps(load_native_kernels()), None, garbage)
+    with pytest.raises(ValueError, match="runs on the native CPU kernels; this worker has torch"):
+        load_model(tiny_qwen2, torch.float32, cpu, TorchOps(), None, garbage)

@@ -1,0 +1,120 @@
+"""``--quantization gguf`` on the embedded real models: the projections kept in the GGUF's
+blocks (SmolLM2: Q4_1 and a Q8_0 LM head; Gemma 3: Q5_0, Q4_K, Q6_K and Q8_0), float32
+logits within 1e-3 of transformers' float32 model loaded from the same GGUF, for a
+batched prefill of the parity prompts and decode steps after it; in bfloat16, the fused
+decode step over the blocks bit-identical to the Python layers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.model_files import gguf_source, resolve_model_dir
+from tests.parity.test_real_models_http import PROMPTS
+from worker.attention import AttentionMetadata, build_metadata
+from worker.models.base import CausalLM
+from worker.models.decoder import DecoderLM
+from worker.models.loader import load_model
+from worker.models.quant_linear import QuantLinear
+from worker.native import load_native_kernels
+from worker.ops import NativeOps
+
+TOL = 1e-3
+BLOCK = 16
+DECODE_STEPS = 6
+BLOCK_TYPES = {
+    "smollm2-135m-instruct": {"Q4_1", "Q8_0"},
+    "gemma-3-270m": {"Q5_0", "Q4_K", "Q6_K", "Q8_0"},
+}
+
+
+def quantized(name: str, dtype: torch.dtype) -> CausalLM:
+    ops = NativeOps(load_native_kernels())
+    directory = resolve_model_dir(name)
+    return load_model(directory, dtype, torch.device("cpu"), ops, None, gguf_source(name))
+
+
+class Batch:
+    """Sequences stepped together through a model with a paged KV cache."""
+
+    def __init__(self, model: CausalLM, prompts: list[list[int]], dtype: torch.dtype) -> None:
+        self.model, self.seqs = model, [list(p) for p in prompts]
+        per_seq = 8  # blocks
+        self.blocks = [list(range(per_seq * i, per_seq * (i + 1))) for i in range(len(prompts))]
+        shape = model.kv_cache_shape(per_seq * len(prompts) * BLOCK)
+        self.caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+
+    @torch.inference_mode()
+    def step(self, starts: list[int]) -> torch.Tensor:
+        """Run every sequence from its ``start``; the logits of each one's last token."""
+        counts = [len(s) - start for s, start in zip(self.seqs, starts, strict=True)]
+        ids = [t for s, start in zip(self.seqs, starts, strict=True) for t in s[start:]]
+        pos = [p for s, start in zip(self.seqs, starts, strict=True) for p in range(start, len(s))]
+        meta = build_metadata(self.blocks, starts, counts, BLOCK, torch.device("cpu"))
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
+        last = torch.tensor(counts).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last]).float()
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_float32_logits_match_transformers_on_the_same_gguf(name: str) -> None:
+    model = quantized(name, torch.float32)
+    kinds = Counter(t for m in model.modules() if isinstance(m, QuantLinear) for t in m.type_names)
+    assert set(kinds) == BLOCK_TYPES[name]
+    layers = model.num_layers
+    assert sum(kinds.values()) == 7 * layers + 1  # q, k, v, o, gate, up, down; the LM head
+    directory = resolve_model_dir(name)
+    ref = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    prompts = [tok(text).input_ids for text in PROMPTS[name]]
+    batch = Batch(model, prompts, torch.float32)
+    logits = batch.step([0] * len(prompts))  # one prefill step of every prompt
+    for step in range(DECODE_STEPS + 1):
+        with torch.no_grad():
+            for seq, ours in zip(batch.seqs, logits, strict=True):
+                theirs = ref(torch.tensor([seq])).logits[0, -1]
+                diff = (ours - theirs).abs().max().item()
+                assert diff < TOL, f"step {step}: max |logit diff| {diff:.2e}"
+        if step == DECODE_STEPS:
+            break
+        starts = [len(s) for s in batch.seqs]
+        for seq, row in zip(batch.seqs, logits, strict=True):
+            seq.append(int(row.argmax()))
+        logits = batch.step(starts)  # a decode step of every sequence
+
+
+def test_bf16_fused_decode_step_over_blocks_is_bit_identical() -> None:
+    name = "smollm2-135m-instruct"
+    model = quantized(name, torch.bfloat16)
+    assert isinstance(model, DecoderLM)
+    fused = model.fused_decode
+    assert fused is not None
+    taken: list[int] = []
+    takes = fused.takes
+
+    def counted(meta: AttentionMetadata, num_tokens: int) -> bool:
+        taken.append(num_tokens)
+        return takes(meta, num_tokens)
+
+    fused.takes = counted  # type: ignore[method-assign]
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(name)))
+    prompts = [tok(text).input_ids for text in PROMPTS[name]]
+    sides = {side: Batch(model, prompts, torch.bfloat16) for side in ("fused", "python")}
+    for batch in sides.values():
+        model.fused_decode = None  # a prefill never takes the fused step anyway
+        batch.step([0] * len(prompts))
+    for step in range(DECODE_STEPS):
+        out = {}
+        for side, batch in sides.items():
+            starts = [len(s) for s in batch.seqs]
+            for seq in batch.seqs:
+                seq.append(1000 + step)
+            model.fused_decode = fused if side == "fused" else None
+            out[side] = batch.step(starts)
+        assert torch.equal(out["fused"], out["python"]), f"decode step {step}"
+    for a, b in zip(sides["fused"].caches, sides["python"].caches, strict=True):
+        assert torch.equal(a, b)
+    assert taken == [len(prompts)] * DECODE_STEPS  # the fused side's decode steps, all taken
