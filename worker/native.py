@@ -114,7 +114,7 @@ class NativeKernels(Protocol):
     ) -> torch.Tensor: ...
 
     def gguf_dequantize(
-        self, weight: torch.Tensor, type: int, in_features: int
+        self, weight: torch.Tensor, type: int, in_features: int, bfloat16: bool = False
     ) -> torch.Tensor: ...
 
     def gguf_linear(

@@ -1,6 +1,7 @@
 """The GGUF kernels (``worker/csrc/gguf_linear.cpp``) against gguf-py, the dequantizer
 transformers loads GGUF files with: every supported block type dequantized bit for bit
-alike (through the stored path and through the in-register path of the fused linear),
+alike (through the stored path and through the in-register path of the fused linear;
+to bfloat16, rounded once as ``Tensor.to`` rounds),
 the fused linear against a float64 matmul, ``QuantLinear``'s two paths against each
 other, and clear refusals."""
 
@@ -59,6 +60,9 @@ def test_dequantize_equals_gguf_py_bit_for_bit(kernels: NativeKernels, qtype: Q)
     ref = reference(blocks, qtype)
     assert ours.shape == ref.shape == (37, in_features)
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    bf16 = kernels.gguf_dequantize(torch.from_numpy(blocks), int(qtype), in_features, True)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16, torch.from_numpy(ref).to(torch.bfloat16))  # rounded once
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)

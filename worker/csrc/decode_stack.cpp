@@ -55,7 +55,8 @@ at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, int64_
                            const std::optional<at::Tensor>& bias, int64_t fused_max_rows) {
   if (x.size(0) <= fused_max_rows)
     return gguf_linear(x.to(at::kFloat).contiguous(), blocks, type, bias).to(x.scalar_type());
-  const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1)).to(x.scalar_type());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());
   std::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());
   return at::linear(x, weight, b);

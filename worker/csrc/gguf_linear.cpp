@@ -18,9 +18,7 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -321,16 +319,38 @@ void tile_any(int64_t T, const uint8_t* w, int64_t row_bytes, int64_t blocks, co
 
 }  // namespace
 
-at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features) {
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,
+                           bool bfloat16) {
   const int64_t N = weight.size(0);
-  at::Tensor out = at::empty({N, in_features}, weight.options().dtype(at::kFloat));
+  at::Tensor out =
+      at::empty({N, in_features}, weight.options().dtype(bfloat16 ? at::kBFloat16 : at::kFloat));
   with_format(type, [&](auto format) {
     using F = decltype(format);
     const int64_t blocks = checked_blocks<F>("gguf_dequantize", weight, in_features);
     const uint8_t* w = weight.data_ptr<uint8_t>();
-    float* y = out.data_ptr<float>();
     at::parallel_for(0, N * blocks, kOutputsPerTask * blocks, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) F::dequant(w + i * F::kBytes, y + i * F::kWeights);
+      if (!bfloat16) {
+        float* y = out.data_ptr<float>();
+        for (int64_t i = begin; i < end; ++i) F::dequant(w + i * F::kBytes, y + i * F::kWeights);
+        return;
+      }
+      // Rounded once to nearest even, as Tensor.to(torch.bfloat16) rounds the float32.
+      c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
+      for (int64_t i = begin; i < end; ++i) {
+        c10::BFloat16* dst = y + i * F::kWeights;
+#if defined(__AVX512F__)
+        if constexpr (F::kWeights == 32) {
+          __m512 lo, hi;
+          F::lanes(w + i * F::kBytes, lo, hi);
+          tandem::store_lanes(dst, lo);
+          tandem::store_lanes(dst + 16, hi);
+          continue;
+        }
+#endif
+        alignas(64) float block[F::kWeights];
+        F::dequant(w + i * F::kBytes, block);
+        for (int64_t j = 0; j < F::kWeights; ++j) dst[j] = c10::BFloat16(block[j]);
+      }
     });
   });
   return out;

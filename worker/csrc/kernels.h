@@ -24,7 +24,8 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 bool has_bf16_gemv();
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
-at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features);
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,
+                           bool bfloat16);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias);
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,

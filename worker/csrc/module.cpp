@@ -15,7 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether bf16_gemv was built (AVX512-BF16)");
   m.def("bf16_gemv", &bf16_gemv, "x W^T + b for 1-4 bfloat16 rows, streaming W",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks [out, row_bytes] to float32 [out, in]");
+  m.def("gguf_dequantize", &gguf_dequantize,
+        "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),
+        py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);
   m.def("gguf_linear", &gguf_linear, "x W^T + b for float32 rows, W as GGUF blocks",
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers,

@@ -69,12 +69,15 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(s.data.numel() for s in self.segments)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``[out, in]``, as transformers holds it."""
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` as transformers holds it in float32 (in bfloat16:
+        rounded once from that)."""
+        bf16 = dtype == torch.bfloat16
         parts = [
-            self.kernels.gguf_dequantize(s.data, s.type, self.in_features) for s in self.segments
+            self.kernels.gguf_dequantize(s.data, s.type, self.in_features, bf16)
+            for s in self.segments
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -90,7 +93,7 @@ class QuantLinear(nn.Module):
                     out += self.bias
             out = out.to(x.dtype)
         else:
-            weight = self.dequantized().to(x.dtype)
+            weight = self.dequantized(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = nn.functional.linear(flat, weight, bias)
         return out.reshape(*x.shape[:-1], self.out_features)
