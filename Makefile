@@ -58,10 +58,11 @@ bench: setup
 	$(PY) -m bench.floor
 	$(PY) -m bench.forward
 	$(PY) -m bench.gemv
+	$(PY) -m bench.gguf_linear
 	$(PY) -m bench.step_profile
 	# The performance issue's workload against both llama.cpp peers (make bench-peers).
 	$(PY) -m bench.serving --workload chat --concurrency 1 8 32 \
-		--systems tandem,llama-server,llama-server-bf16 --name serving-chat
+		--systems tandem,tandem-gguf,llama-server,llama-server-bf16 --name serving-chat
 	$(PY) -m bench.serving --workload mixed --concurrency 1 8 32 --requests-at-c1 4 \
 		--systems tandem,tandem-static,llama-server,hf-sequential,hf-static,hf-continuous
 	# 32 requests for 32 clients is one batch either way: continuous batching shows only

@@ -6,6 +6,7 @@ plots in docs/img/.
 Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching
   tandem-static     tandem serve --batching static
+  tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
   tandem-split-tcp  the same, KV streamed over TCP
   llama-server      llama.cpp on the SmolLM2 GGUF as it ships (Q4_1), one slot per client
@@ -43,6 +44,7 @@ from bench.workloads import WORKLOADS, BenchRequest, make_requests
 SYSTEMS = (
     "tandem",
     "tandem-static",
+    "tandem-gguf",
     "tandem-split",
     "tandem-split-tcp",
     "llama-server",
@@ -129,8 +131,10 @@ class Systems:
         return run
 
     def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
-        if system in ("tandem", "tandem-static", *SPLIT):
+        if system in ("tandem", "tandem-static", "tandem-gguf", *SPLIT):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
+            if system == "tandem-gguf":
+                flags += ("--quantization", "gguf")
             if system in SPLIT:
                 flags += ("--prefill-workers", "1", "--decode-workers", "1")
                 flags += ("--kv-transfer", SPLIT[system])
@@ -348,13 +352,18 @@ def yardstick(points: list[dict[str, Any]], peaks: dict[str, int]) -> list[str]:
         if tandem and (other, top) in by:
             r = tandem["output_tok_s"] / by[(other, top)]["output_tok_s"]
             lines.append(f"c={top}: tandem continuous = {r:.2f}x {other} in output tok/s")
-    # ITL at one client: the Q4_1 GGUF (#9's goal) and the same weights in bf16 (#12's).
-    for peer, goal in (("llama-server", 1.2), ("llama-server-bf16", 1.0)):
-        single, peer_single = by.get(("tandem", 1)), by.get((peer, 1))
+    # ITL at one client: bf16 against the Q4_1 GGUF (#9's goal) and the same weights in
+    # bf16 (#12's); the GGUF's own blocks against the Q4_1 GGUF (#12's).
+    for system, peer, goal in (
+        ("tandem", "llama-server", 1.2),
+        ("tandem", "llama-server-bf16", 1.0),
+        ("tandem-gguf", "llama-server", 1.0),
+    ):
+        single, peer_single = by.get((system, 1)), by.get((peer, 1))
         if single and peer_single and single["itl_s"]["p50"] and peer_single["itl_s"]["p50"]:
             r = single["itl_s"]["p50"] / peer_single["itl_s"]["p50"]
             lines.append(
-                f"c=1: tandem ITL p50 = {r:.2f}x {peer}'s; goal <= {goal}x -> "
+                f"c=1: {system} ITL p50 = {r:.2f}x {peer}'s; goal <= {goal}x -> "
                 f"{'met' if r <= goal else 'NOT met'}"
             )
     for split in SPLIT:
