@@ -180,11 +180,11 @@ def test_split_pools_match_the_unified_pool_more(
     split(smollm2, kv_transfer, conditional)
 
 
+# Gemma's own concern is its sliding-window layers' KV crossing pools: one run per
+# transport (SmolLM2 covers every transport x conditional combination).
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_transfer", "conditional"),
-    [("shm", True), ("shm", False), ("tcp", True), ("tcp", False)],
-    ids=["shm-conditional", "shm", "tcp-conditional", "tcp"],
+    ("kv_transfer", "conditional"), [("shm", True), ("tcp", False)], ids=["shm-conditional", "tcp"]
 )
 def test_gemma_split_pools_match_the_unified_pool(
     gemma: Reference, kv_transfer: str, conditional: bool
