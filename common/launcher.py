@@ -24,7 +24,7 @@ from types import FrameType
 
 from common.config import API_KEYS_ENV, EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
-from common.model_files import resolve_model_dir
+from common.model_files import gguf_source, resolve_model_dir
 from common.process import (
     EXIT_ENGINE_DIED,
     EXIT_REASON_ENV,
@@ -109,6 +109,8 @@ def serve(config: TandemConfig) -> int:
     # Resolve (and convert, once) before any child starts, so none of them waits on it.
     served_name = config.served_model_name
     model_dir = resolve_model_dir(config.model.model)
+    if config.model.quantization == "gguf":  # found (an assembled one: made) once, or refused
+        gguf_source(config.model.model)
     check_port_free(config.server.host, config.server.port)
     runtime_dir = make_runtime_dir()
     config = config.with_model_path(str(model_dir), served_name)
@@ -188,5 +190,8 @@ def _after_death(service: Service, name: str, proc: subprocess.Popen[bytes], gra
     message = service.describe(name, proc)
     logger.error("%s; stopping the service in %.1f s", message, grace_s)
     time.sleep(grace_s)
+    # The others stopped first, so none writes after the service's last line (an API
+    # server still starting up printed uvicorn's banner after it).
+    _stop_now(p for _, p in service.children)
     print(f"tandem: {message}", file=sys.stderr)
     return 1
