@@ -14,15 +14,13 @@ It decides ``GEMV_MAX_ROWS`` (``worker/models/packed_linear.py``). Writes
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from bench.floor import bandwidth_gb_s
-from bench.harness import print_table, write_results
+from bench.harness import median_ms_interleaved, print_table, write_results
 from common.model_files import resolve_model_dir
 from worker.models.loader import read_hf_config
 from worker.models.packed_linear import GEMV_MAX_ROWS, PackedLinear
@@ -62,15 +60,8 @@ def time_rows(
     kinds: dict[str, Callable[[], None]] = {"onednn": onednn}
     if rows <= GEMV_MAX_ROWS:  # the kernel's limit
         kinds["gemv"] = gemv
-    runs: dict[str, list[float]] = {name: [] for name in kinds}
-    for fn in kinds.values():
-        fn()  # warm-up
-    for _ in range(passes):
-        for name, fn in kinds.items():
-            start = time.perf_counter()
-            fn()
-            runs[name].append((time.perf_counter() - start) * 1e3)
-    return {"rows": rows, **{f"{k}_ms": statistics.median(ms) for k, ms in runs.items()}}
+    medians = median_ms_interleaved(kinds, passes)
+    return {"rows": rows, **{f"{k}_ms": ms for k, ms in medians.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:

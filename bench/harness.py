@@ -9,10 +9,11 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,20 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> T
     end = time.perf_counter()
     itls = [b - a for a, b in itertools.pairwise(stamps)]
     return Timing(stamps[0] - start, itls, end - start, tokens)
+
+
+def median_ms_interleaved(kinds: Mapping[str, Callable[[], None]], passes: int) -> dict[str, float]:
+    """Median ms of each kind's call over ``passes``, the kinds alternating pass by pass
+    (the host drifts), after one warm-up call each."""
+    runs: dict[str, list[float]] = {name: [] for name in kinds}
+    for fn in kinds.values():
+        fn()  # warm-up
+    for _ in range(passes):
+        for name, fn in kinds.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(ms) for name, ms in runs.items()}
 
 
 def free_port() -> int:
