@@ -123,6 +123,13 @@ class LLM:
             time.sleep(0.05)
 
     @property
+    def engine_pid(self) -> int:
+        """The engine core's pid (its workers are its children), e.g. to sample memory."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed")
+        return self._engine.pid
+
+    @property
     def max_model_len(self) -> int:
         assert self._client.model is not None  # set before ready
         return self._client.model.max_model_len

@@ -22,6 +22,9 @@ def test_generate_matches_the_server_and_stops_cleanly(
         started = set(psutil.Process().children(recursive=True)) - before
         assert {p.cmdline()[2] for p in started if "-m" in p.cmdline()} >= {"engine_core"}
         assert len(started) >= 2  # the engine core and its worker
+        engine = psutil.Process(llm.engine_pid)
+        assert engine in started and "engine_core" in engine.cmdline()
+        assert set(engine.children(recursive=True)) == started - {engine}
         results = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
         one = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0), stop=["."])
         ids = llm.tokenizer.encode(PROMPTS[1])
@@ -48,3 +51,5 @@ def test_generate_matches_the_server_and_stops_cleanly(
     assert after[0].outputs[0].text == results[0].outputs[0].text
     _, alive = psutil.wait_procs(list(started), timeout=10)
     assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = llm.engine_pid

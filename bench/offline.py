@@ -1,0 +1,186 @@
+"""``python -m bench.offline``: engine against engine, no HTTP. Tandem's offline API
+(``LLM.generate``) and OpenVINO GenAI's ``ContinuousBatchingPipeline`` take the same
+seeded prompts as token ids, each generating exactly ``max_tokens`` greedily, at each
+concurrency: ``c`` prompts submitted at once, wave after wave (``c = 1``: one at a
+time). Systems alternate run by run (this host's speed drifts). A table on stdout,
+JSON in bench/results/offline.json.
+
+Systems (each skipped with a printed reason when unavailable):
+  tandem    LLM(model, dtype=...) in this process (its engine and worker are children)
+            without its prefix cache (each point reruns the same prompts; OpenVINO's
+            is off by default too)
+  openvino  OpenVINO GenAI on SmolLM2 exported to an IR (make bench-peers); computes and
+            keeps its KV cache in bf16 (--dtype bfloat16) or f32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from api_server.offline import LLM
+from bench.harness import MODEL, print_table, write_results
+from bench.peers import openvino_peer
+from bench.rss import PeakRss
+from bench.workloads import WORKLOADS, make_requests
+from common.messages import SamplingParams
+
+SYSTEMS = ("tandem", "openvino")
+MIB = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="chat", choices=WORKLOADS)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--repetitions", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: all)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def run_tandem(
+    prompts: list[list[int]], max_tokens: int, concurrency: list[int], dtype: str
+) -> tuple[list[dict[str, Any]], int]:
+    """Every concurrency point on one ``LLM``; and the peak RSS of its engine and worker."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # No prefix cache on either engine: every point reruns the same prompts.
+    options: dict[str, Any] = {
+        "dtype": dtype,
+        "enable_prefix_caching": False,
+        "log_level": "warning",
+    }
+    with LLM(MODEL, **options) as llm, PeakRss(llm.engine_pid) as peak:
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        points = []
+        for c in concurrency:
+            outputs: list[list[int]] = []
+            start = time.perf_counter()
+            for i in range(0, len(prompts), c):
+                outputs += [
+                    r.outputs[0].token_ids for r in llm.generate(prompts[i : i + c], params)
+                ]
+            wall_s = time.perf_counter() - start
+            tokens = sum(map(len, outputs))
+            points.append(
+                {
+                    "concurrency": c,
+                    "wall_s": wall_s,
+                    "output_tokens": tokens,
+                    "output_tok_s": tokens / wall_s,
+                    "itl_s": [],  # generate returns whole completions: no token times
+                    "outputs": outputs,
+                }
+            )
+    return points, peak.bytes
+
+
+def run_system(
+    system: str, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    if system == "tandem":
+        points, rss = run_tandem(prompts, max_tokens, args.concurrency, args.dtype)
+        return {"points": points, "peak_rss_bytes": rss}
+    precision = "bf16" if args.dtype == "bfloat16" else "f32"
+    ov = openvino_peer.run(prompts, max_tokens, args.concurrency, precision, os.cpu_count())
+    return {"version": ov.version, "points": ov.points, "peak_rss_bytes": ov.peak_rss_bytes}
+
+
+def _available(systems: list[str]) -> list[str]:
+    usable = []
+    for system in systems:
+        if system not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+        if system == "openvino" and (
+            openvino_peer.python() is None or openvino_peer.model_dir() is None
+        ):
+            print("skipping openvino: not installed (make bench-peers)")
+            continue
+        usable.append(system)
+    return usable
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    requests = make_requests(args.workload, args.num_requests, args.seed)
+    prompts = [r.prompt_ids for r in requests]
+    max_tokens = requests[0].max_tokens
+    systems = _available(args.systems.split(","))
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repetitions):
+        for system in systems:
+            print(f"run {rep + 1}: {system}", flush=True)
+            runs.append(
+                {
+                    "system": system,
+                    "repetition": rep + 1,
+                    **run_system(system, prompts, max_tokens, args),
+                }
+            )
+    reference = {r["repetition"]: r for r in runs if r["system"] == "tandem"}
+    rows = []
+    for r in runs:
+        for point in r["points"]:
+            itls = point["itl_s"]
+            same = reference.get(r["repetition"])
+            agree = "-"
+            if same is not None:
+                theirs = next(p for p in same["points"] if p["concurrency"] == point["concurrency"])
+                agree = f"{sum(a == b for a, b in zip(point['outputs'], theirs['outputs'], strict=True))}/{len(prompts)}"
+            rows.append(
+                [
+                    r["system"],
+                    r["repetition"],
+                    point["concurrency"],
+                    round(point["output_tok_s"], 1),
+                    round(
+                        1e3
+                        * point["wall_s"]
+                        / point["output_tokens"]
+                        * min(point["concurrency"], len(prompts)),
+                        2,
+                    ),
+                    round(1e3 * statistics.median(itls), 2) if itls else "-",
+                    round(r["peak_rss_bytes"] / MIB),
+                    agree,
+                ]
+            )
+    print_table(
+        [
+            "system",
+            "run",
+            "c",
+            "tok/s",
+            "ms/token/stream",
+            "ITL p50 ms",
+            "peak RSS MiB",
+            "same tokens as tandem",
+        ],
+        rows,
+    )
+    path = write_results(
+        "offline",
+        {
+            "workload": args.workload,
+            "num_requests": args.num_requests,
+            "max_tokens": max_tokens,
+            "dtype": args.dtype,
+            "runs": [
+                {
+                    **r,
+                    "points": [{k: v for k, v in p.items() if k != "outputs"} for p in r["points"]],
+                }
+                for r in runs
+            ],
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
