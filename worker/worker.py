@@ -198,6 +198,9 @@ def run_worker(
         ).start()
     try:
         runner = _build_runner(config, pool, rank, tp_init_address, ctx, keys)
+        # The load's read buffers and the float projections that packing or GGUF blocks
+        # replaced are free but still mapped: return them before the first step.
+        release_free_memory()
         receiver = runner.kv_receiver
         ready = WorkerReady(
             rank,

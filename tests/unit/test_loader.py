@@ -3,14 +3,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from common.model_files import gguf_source, resolve_model_dir
 from tests.parity.families import build
-from worker.models.loader import load_model, release_freed_heap
+from worker.models.loader import load_model
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, TorchOps
 
@@ -96,17 +95,3 @@ def test_gguf_quantization_refuses_what_it_cannot_serve(tiny_qwen2: Path, tmp_pa
         load_model(tiny_qwen2, torch.float32, cpu, NativeOps(load_native_kernels()), None, garbage)
     with pytest.raises(ValueError, match="runs on the native CPU kernels; this worker has torch"):
         load_model(tiny_qwen2, torch.float32, cpu, TorchOps(), None, garbage)
-
-
-def test_freed_heap_pages_go_back_to_the_system() -> None:
-    """What the loader frees below a live allocation stays in the process's RSS until
-    ``release_freed_heap`` (the load's buffers and replaced float projections)."""
-    me = psutil.Process()
-    chunks = [bytearray(64 * 1024) for _ in range(3200)]  # 200 MiB of heap, not mmap
-    pin = bytearray(64 * 1024)  # above them: free() alone cannot shrink the heap
-    del chunks
-    held = me.memory_info().rss
-    assert release_freed_heap()
-    released = held - me.memory_info().rss
-    assert released > 150 * 2**20, f"only {released / 2**20:.0f} MiB returned"
-    del pin

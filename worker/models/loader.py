@@ -3,8 +3,6 @@ of our model classes, checking every tensor's name and shape."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 from collections.abc import Iterator
@@ -137,26 +135,7 @@ def load_model(
         model.fused_decode = DecodeStack.build(model, ops)
         if model.fused_decode is not None:
             logger.info("decode-only steps run every layer in one native call")
-    if device.type == "cpu":
-        release_freed_heap()
     return model.eval()
-
-
-def release_freed_heap() -> bool:
-    """Give the heap pages freed while loading back to the system (glibc's
-    ``malloc_trim``): the read buffers, and the float projections that packing or
-    ``--quantization gguf`` replaced. Without it the allocator keeps them mapped and the
-    worker's RSS stays as if they were still there. False where the C library has no
-    ``malloc_trim`` (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is None:
-        return False
-    trim(ctypes.c_size_t(0))
-    return True
 
 
 def _keep_quantized(
