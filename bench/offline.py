@@ -19,7 +19,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from api_server.offline import LLM
 from bench.harness import MODEL, print_table, write_results
@@ -28,7 +28,6 @@ from bench.rss import PeakRss
 from bench.workloads import WORKLOADS, make_requests
 from common.messages import SamplingParams
 
-SYSTEMS = ("tandem", "openvino")
 MIB = 1 << 20
 
 
@@ -38,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--repetitions", type=int, default=2)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: all)")
+    p.add_argument("--systems", default="tandem,openvino", help="comma-separated (default: all)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -80,29 +79,92 @@ def run_tandem(
     return points, peak.bytes
 
 
-def run_system(
-    system: str, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    if system == "tandem":
+class Engine(Protocol):
+    """One system of the benchmark: why it cannot run here (None: it can), and a run of
+    every concurrency point with its peak RSS."""
+
+    name: str
+
+    def missing(self) -> str | None: ...
+
+    def run(
+        self, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+    ) -> dict[str, Any]: ...
+
+
+class TandemEngine:
+    name = "tandem"
+
+    def missing(self) -> str | None:
+        return None
+
+    def run(
+        self, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+    ) -> dict[str, Any]:
         points, rss = run_tandem(prompts, max_tokens, args.concurrency, args.dtype)
         return {"points": points, "peak_rss_bytes": rss}
-    precision = "bf16" if args.dtype == "bfloat16" else "f32"
-    ov = openvino_peer.run(prompts, max_tokens, args.concurrency, precision, os.cpu_count())
-    return {"version": ov.version, "points": ov.points, "peak_rss_bytes": ov.peak_rss_bytes}
 
 
-def _available(systems: list[str]) -> list[str]:
-    usable = []
-    for system in systems:
-        if system not in SYSTEMS:
-            raise SystemExit(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
-        if system == "openvino" and (
-            openvino_peer.python() is None or openvino_peer.model_dir() is None
-        ):
-            print("skipping openvino: not installed (make bench-peers)")
+class OpenVinoEngine:
+    name = "openvino"
+
+    def missing(self) -> str | None:
+        if openvino_peer.python() is None or openvino_peer.model_dir() is None:
+            return "not installed (make bench-peers)"
+        return None
+
+    def run(
+        self, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+    ) -> dict[str, Any]:
+        precision = "bf16" if args.dtype == "bfloat16" else "f32"
+        ov = openvino_peer.run(prompts, max_tokens, args.concurrency, precision, os.cpu_count())
+        return {"version": ov.version, "points": ov.points, "peak_rss_bytes": ov.peak_rss_bytes}
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (TandemEngine(), OpenVinoEngine())}
+
+
+def _available(names: list[str]) -> list[Engine]:
+    usable: list[Engine] = []
+    for name in names:
+        engine = ENGINES.get(name)
+        if engine is None:
+            raise SystemExit(f"unknown system {name!r}; one of {', '.join(ENGINES)}")
+        reason = engine.missing()
+        if reason is not None:
+            print(f"skipping {name}: {reason}")
             continue
-        usable.append(system)
+        usable.append(engine)
     return usable
+
+
+def _rows(runs: list[dict[str, Any]], num_prompts: int) -> list[list[object]]:
+    """One table row per run and point; completions compared with Tandem's of the same
+    repetition and concurrency."""
+    reference = {r["repetition"]: r for r in runs if r["system"] == "tandem"}
+    rows: list[list[object]] = []
+    for r in runs:
+        for point in r["points"]:
+            c, itls = point["concurrency"], point["itl_s"]
+            agree = "-"
+            if (same := reference.get(r["repetition"])) is not None:
+                theirs = next(p for p in same["points"] if p["concurrency"] == c)["outputs"]
+                equal = sum(a == b for a, b in zip(point["outputs"], theirs, strict=True))
+                agree = f"{equal}/{num_prompts}"
+            per_stream_ms = 1e3 * point["wall_s"] / point["output_tokens"] * min(c, num_prompts)
+            rows.append(
+                [
+                    r["system"],
+                    r["repetition"],
+                    c,
+                    round(point["output_tok_s"], 1),
+                    round(per_stream_ms, 2),
+                    round(1e3 * statistics.median(itls), 2) if itls else "-",
+                    round(r["peak_rss_bytes"] / MIB),
+                    agree,
+                ]
+            )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,46 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     requests = make_requests(args.workload, args.num_requests, args.seed)
     prompts = [r.prompt_ids for r in requests]
     max_tokens = requests[0].max_tokens
-    systems = _available(args.systems.split(","))
+    engines = _available(args.systems.split(","))
     runs: list[dict[str, Any]] = []
     for rep in range(args.repetitions):
-        for system in systems:
-            print(f"run {rep + 1}: {system}", flush=True)
-            runs.append(
-                {
-                    "system": system,
-                    "repetition": rep + 1,
-                    **run_system(system, prompts, max_tokens, args),
-                }
-            )
-    reference = {r["repetition"]: r for r in runs if r["system"] == "tandem"}
-    rows = []
-    for r in runs:
-        for point in r["points"]:
-            itls = point["itl_s"]
-            same = reference.get(r["repetition"])
-            agree = "-"
-            if same is not None:
-                theirs = next(p for p in same["points"] if p["concurrency"] == point["concurrency"])
-                agree = f"{sum(a == b for a, b in zip(point['outputs'], theirs['outputs'], strict=True))}/{len(prompts)}"
-            rows.append(
-                [
-                    r["system"],
-                    r["repetition"],
-                    point["concurrency"],
-                    round(point["output_tok_s"], 1),
-                    round(
-                        1e3
-                        * point["wall_s"]
-                        / point["output_tokens"]
-                        * min(point["concurrency"], len(prompts)),
-                        2,
-                    ),
-                    round(1e3 * statistics.median(itls), 2) if itls else "-",
-                    round(r["peak_rss_bytes"] / MIB),
-                    agree,
-                ]
-            )
+        for engine in engines:
+            print(f"run {rep + 1}: {engine.name}", flush=True)
+            result = engine.run(prompts, max_tokens, args)
+            runs.append({"system": engine.name, "repetition": rep + 1, **result})
     print_table(
         [
             "system",
@@ -161,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             "peak RSS MiB",
             "same tokens as tandem",
         ],
-        rows,
+        _rows(runs, len(prompts)),
     )
     path = write_results(
         "offline",
