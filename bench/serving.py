@@ -119,16 +119,21 @@ class Systems:
             except (FileNotFoundError, RuntimeError, ImportError) as e:
                 self.skipped[system] = str(e)
 
-    def _http(self, url: str, model: str, peer: str | None = None) -> Runner:
+    def _http(
+        self,
+        url: str,
+        model: str,
+        reset_prefix_cache: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> Runner:
         """Points reuse the same prompts, so no system may serve a point from a cache a
         previous point filled: Tandem's prefix cache is reset before each point,
-        llama-server is asked not to reuse its slots' prompt caches, and vLLM runs
-        without its prefix cache."""
+        llama-server is asked not to reuse its slots' prompt caches (``extra``), and vLLM
+        runs without its prefix cache."""
         rate = self.args.rate
-        extra = {"cache_prompt": False} if peer == "llama.cpp" else None
 
         def run(requests: list[BenchRequest], c: int) -> tuple[list[RequestResult], float]:
-            if peer is None:
+            if reset_prefix_cache:
                 httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
             if rate is not None:
                 return asyncio.run(
@@ -155,11 +160,17 @@ class Systems:
             if gguf is None:
                 raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
             url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf))
-            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, "llama.cpp"), pid
+            self.runners[system], self.pids[system] = (
+                self._http(url, hf.MODEL, reset_prefix_cache=False, extra={"cache_prompt": False}),
+                pid,
+            )
         elif system in ("vllm", "vllm-bind-all"):
             bind = "auto" if system == "vllm" else f"0-{(os.cpu_count() or 1) - 1}"
             url, pid = self.stack.enter_context(vllm.vllm_server(max(64, max_c), bind))
-            self.runners[system], self.pids[system] = self._http(url, hf.MODEL, "vllm"), pid
+            self.runners[system], self.pids[system] = (
+                self._http(url, hf.MODEL, reset_prefix_cache=False),
+                pid,
+            )
             self.paused_between_points.add(system)
             vllm.pause(pid)
         else:
