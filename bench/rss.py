@@ -9,15 +9,19 @@ from types import TracebackType
 import psutil
 
 
-def tree_rss_bytes(pid: int, recursive: bool = True) -> int:
-    """RSS of ``pid`` and (``recursive``) all its descendants now (0 once it is gone)."""
+def process_tree(pid: int, recursive: bool = True) -> list[psutil.Process]:
+    """``pid`` and (``recursive``) all its descendants now; empty once it is gone."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *(root.children(recursive=True) if recursive else [])]
+        return [root, *(root.children(recursive=True) if recursive else [])]
     except psutil.NoSuchProcess:
-        return 0
+        return []
+
+
+def tree_rss_bytes(pid: int, recursive: bool = True) -> int:
+    """RSS of ``pid`` and (``recursive``) all its descendants now (0 once it is gone)."""
     total = 0
-    for p in procs:
+    for p in process_tree(pid, recursive):
         with contextlib.suppress(psutil.NoSuchProcess):
             total += p.memory_info().rss
     return total

