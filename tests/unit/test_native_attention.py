@@ -34,16 +34,17 @@ def reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window"),
-    [(9, 3, 64, 0), (4, 4, 32, 0), (8, 2, 256, 0), (4, 1, 64, 20)],
+    # (8, 1, 24): a head size off the 16-lane tiles takes the plain loops
+    [(9, 3, 64, 0), (4, 4, 32, 0), (8, 2, 256, 0), (4, 1, 64, 20), (8, 1, 24, 0), (2, 1, 64, 45)],
 )
 def test_kernel_matches_reference_and_torch_path(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int
 ) -> None:
     kernels = load_native_kernels()
     gen = torch.Generator().manual_seed(heads * dim + window)
-    num_blocks = 40
+    num_blocks = 60
     cache = torch.randn(2, num_blocks * BLOCK, kv_heads, dim, generator=gen).to(dtype)
-    lens = [1, 17, 64, 100, 37]
+    lens = [1, 17, 64, 100, 37, 250]  # 250: sixteen tiles, the last one short
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for length in lens:  # scattered, unordered blocks

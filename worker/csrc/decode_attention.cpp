@@ -1,7 +1,12 @@
 // Paged decode attention for CPU: one query token per sequence attends to its context
-// read in place from the block-paged KV cache (no gather copy). One task per sequence:
-// each K/V row (all KV heads, contiguous) is read once and serves every query head.
-// Scores, softmax and the weighted sum are accumulated in float32 whatever the dtype.
+// read in place from the block-paged KV cache (no gather copy). Scores, softmax and the
+// weighted sum are accumulated in float32 whatever the dtype.
+//
+// With AVX-512 and a head size that is a multiple of 16 (every model we serve), one task
+// is one (sequence, KV head) pair: its keys and values are read once, 16 tokens at a
+// time, converted to float once into an L1 tile, and serve every query head of the group;
+// the 16 dot products of a tile are reduced together (one transpose-add tree, not 16
+// horizontal sums). Elsewhere one task per sequence runs the plain loops.
 //
 // kv_cache: [2, num_slots, kv_heads, head_dim], contiguous (slot = block * block_size +
 // offset); q: [n, heads, head_dim] contiguous; block_table: [n, max_blocks] int64;
@@ -21,49 +26,210 @@ using tandem::add_scaled;
 using tandem::dot;
 using tandem::softmax_numerators;
 
+// Where one attention problem's tensors live, read by both implementations.
 template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
-                           const at::Tensor& block_table, const at::Tensor& context_lens,
-                           at::Tensor& out, double scale, int64_t window, int64_t block_size) {
-  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_slots = kv_cache.size(1), kv_heads = kv_cache.size(2);
-  const int64_t group = heads / kv_heads, row_len = kv_heads * dim;
-  const int64_t max_blocks = block_table.size(1);
-  const T* q_data = q.data_ptr<T>();
-  const T* k_data = kv_cache.data_ptr<T>();
-  const T* v_data = k_data + num_slots * row_len;
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_data = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+struct Problem {
+  const T* q;  // [n, heads, dim]
+  const T* k;  // [num_slots, kv_heads, dim]
+  const T* v;
+  const int64_t* table;  // [n, max_blocks]
+  const int64_t* lens;
+  T* out;  // [n, heads, dim]
+  int64_t n, heads, kv_heads, dim, max_blocks, block_size, window;
+  float scale;
 
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  int64_t group() const { return heads / kv_heads; }
+  int64_t row_len() const { return kv_heads * dim; }
+  int64_t first(int64_t seq) const {
+    return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
+  }
+  // Offset of token t's row of sequence seq in the cache.
+  int64_t row(int64_t seq, int64_t t) const {
+    const int64_t block = table[seq * max_blocks + t / block_size];
+    return (block * block_size + t % block_size) * row_len();
+  }
+};
+
+#if defined(__AVX512F__)
+using tandem::kLanes;
+using tandem::load_lanes;
+using tandem::store_lanes;
+
+constexpr int64_t kTile = 16;      // tokens per tile: one vector of scores
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head (the most we serve: 8)
+
+// sums[i] := the sum of v[i]'s 16 lanes, for i < 16: three rounds of pairwise
+// shuffles and adds instead of sixteen horizontal reductions.
+inline __m512 transpose_sum(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (v2i: 0+2, v2i+1: 0+2, v2i: 1+3, v2i+1: 1+3)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v4i .. v4i+3, each that lane's sum
+    const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  // Add the four 128-bit lanes: lane j of the result holds b[j]'s totals.
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// acc[h][c .. c + W) += sum over the tile's tokens i of weights[h][i] * tile[i][c ..]:
+// W vectors accumulated in registers across the tile.
+template <int W>
+inline void accumulate_slab(float* acc, const float* weights, const float* tile, int64_t count,
+                            int64_t dim, int64_t c) {
+  __m512 a[W];
+  for (int w = 0; w < W; ++w) a[w] = _mm512_loadu_ps(acc + (c + w) * kLanes);
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 weight = _mm512_set1_ps(weights[i]);
+    for (int w = 0; w < W; ++w)
+      a[w] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(tile + i * dim + (c + w) * kLanes), a[w]);
+  }
+  for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + (c + w) * kLanes, a[w]);
+}
+
+// tile[i] := the float rows of tokens t0 + i (i < count) for KV head g, from `cache`.
+// The block is found by one division per tile, then stepped (a division per token
+// costs more than the token's arithmetic).
+template <typename T>
+inline void load_tile(const Problem<T>& p, const T* cache, int64_t seq, int64_t g, int64_t t0,
+                      int64_t count, float* tile) {
+  const int64_t* blocks = p.table + seq * p.max_blocks;
+  int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
+  for (int64_t i = 0; i < count; ++i) {
+    const T* src = cache + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim;
+    for (int64_t j = 0; j < p.dim; j += kLanes) _mm512_storeu_ps(tile + i * p.dim + j, load_lanes(src + j));
+    if (++offset == p.block_size) offset = 0, ++block;
+  }
+  std::fill(tile + count * p.dim, tile + kTile * p.dim, 0.f);  // a short last tile
+}
+
+// Asks for the rows of tokens t0 .. t0 + count (KV head g) to be brought into cache while
+// the current tile is computed: a tile's rows are scattered over blocks, and one core
+// waiting on each miss in turn reads the cache at a third of the memory's speed.
+template <typename T>
+inline void prefetch_tile(const Problem<T>& p, const T* cache, int64_t seq, int64_t g,
+                          int64_t t0, int64_t count) {
+  const int64_t* blocks = p.table + seq * p.max_blocks;
+  int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
+  const int64_t bytes = p.dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < count; ++i) {
+    const char* src = reinterpret_cast<const char*>(
+        cache + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(src + b, _MM_HINT_T0);
+    if (++offset == p.block_size) offset = 0, ++block;
+  }
+}
+
+// One sequence's query heads of KV head g against its context.
+template <typename T>
+void attend_group(const Problem<T>& p, int64_t seq, int64_t g, std::vector<float>& queries,
+                  std::vector<float>& scores, std::vector<float>& tile, std::vector<float>& acc) {
+  const int64_t group = p.group(), dim = p.dim, chunks = dim / kLanes;
+  const int64_t len = p.lens[seq], first = p.first(seq), span = len - first;
+  const T* q = p.q + (seq * p.heads + g * group) * dim;
+  for (int64_t j = 0; j < group * dim; ++j) queries[j] = static_cast<float>(q[j]) * p.scale;
+  scores.resize(group * span);
+  for (int64_t t0 = first; t0 < len; t0 += kTile) {
+    const int64_t count = std::min(kTile, len - t0);
+    if (t0 + kTile < len) prefetch_tile(p, p.k, seq, g, t0 + kTile, std::min(kTile, len - t0 - kTile));
+    else prefetch_tile(p, p.v, seq, g, first, std::min(kTile, span));  // the values' first tile
+    load_tile(p, p.k, seq, g, t0, count, tile.data());
+    const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t h = 0; h < group; ++h) {
+      // Chunk by chunk over all 16 tokens: 16 independent accumulators, not one chain.
+      __m512 sums[kTile];
+      for (int64_t i = 0; i < kTile; ++i) sums[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 query = _mm512_loadu_ps(queries.data() + h * dim + c * kLanes);
+        for (int64_t i = 0; i < kTile; ++i)
+          sums[i] = _mm512_fmadd_ps(query, _mm512_loadu_ps(tile.data() + i * dim + c * kLanes), sums[i]);
+      }
+      _mm512_mask_storeu_ps(scores.data() + h * span + (t0 - first), keep, transpose_sum(sums));
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t h = 0; h < group; ++h) inv[h] = 1.f / softmax_numerators(scores.data() + h * span, span);
+  std::fill(acc.begin(), acc.begin() + group * dim, 0.f);
+  for (int64_t t0 = first; t0 < len; t0 += kTile) {
+    const int64_t count = std::min(kTile, len - t0);
+    if (t0 + kTile < len) prefetch_tile(p, p.v, seq, g, t0 + kTile, std::min(kTile, len - t0 - kTile));
+    load_tile(p, p.v, seq, g, t0, count, tile.data());
+    for (int64_t h = 0; h < group; ++h) {
+      const float* weights = scores.data() + h * span + (t0 - first);
+      int64_t c = 0;
+      for (; c + 4 <= chunks; c += 4) accumulate_slab<4>(acc.data() + h * dim, weights, tile.data(), count, dim, c);
+      for (; c < chunks; ++c) accumulate_slab<1>(acc.data() + h * dim, weights, tile.data(), count, dim, c);
+    }
+  }
+  T* dst = p.out + (seq * p.heads + g * group) * dim;
+  for (int64_t h = 0; h < group; ++h) {
+    const __m512 scale = _mm512_set1_ps(inv[h]);
+    for (int64_t j = 0; j < dim; j += kLanes)
+      store_lanes(dst + h * dim + j, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * dim + j), scale));
+  }
+}
+
+template <typename T>
+void attend_tiled(const Problem<T>& p) {
+  at::parallel_for(0, p.n * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(p.group() * p.dim), scores, tile(kTile * p.dim), acc(p.group() * p.dim);
+    for (int64_t task = begin; task < end; ++task)
+      attend_group(p, task / p.kv_heads, task % p.kv_heads, queries, scores, tile, acc);
+  });
+}
+#endif
+
+// One task per sequence: each K/V row (all KV heads, contiguous) is read once and serves
+// every query head.
+template <typename T>
+void attend_plain(const Problem<T>& p) {
+  const int64_t heads = p.heads, dim = p.dim, group = p.group();
+  at::parallel_for(0, p.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(heads * dim), acc(heads * dim), scores, inv(heads);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - first;
-      const int64_t* blocks = table + seq * max_blocks;
+      const int64_t len = p.lens[seq], first = p.first(seq), span = len - first;
       scores.resize(heads * span);
-      const T* q_seq = q_data + seq * heads * dim;
-      for (int64_t j = 0; j < heads * dim; ++j) queries[j] = static_cast<float>(q_seq[j]) * fscale;
+      const T* q_seq = p.q + seq * heads * dim;
+      for (int64_t j = 0; j < heads * dim; ++j) queries[j] = static_cast<float>(q_seq[j]) * p.scale;
       for (int64_t t = first; t < len; ++t) {
-        const T* key = k_data + (blocks[t / block_size] * block_size + t % block_size) * row_len;
+        const T* key = p.k + p.row(seq, t);
         for (int64_t h = 0; h < heads; ++h)
           scores[h * span + (t - first)] = dot(queries.data() + h * dim, key + (h / group) * dim, dim);
       }
       for (int64_t h = 0; h < heads; ++h) inv[h] = 1.f / softmax_numerators(scores.data() + h * span, span);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = first; t < len; ++t) {
-        const T* value = v_data + (blocks[t / block_size] * block_size + t % block_size) * row_len;
+        const T* value = p.v + p.row(seq, t);
         for (int64_t h = 0; h < heads; ++h)
           add_scaled(acc.data() + h * dim, scores[h * span + (t - first)], value + (h / group) * dim, dim);
       }
-      T* dst = out_data + seq * heads * dim;
+      T* dst = p.out + seq * heads * dim;
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < dim; ++j) dst[h * dim + j] = static_cast<T>(acc[h * dim + j] * inv[h]);
     }
   });
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_table, const at::Tensor& context_lens,
+                           at::Tensor& out, double scale, int64_t window, int64_t block_size) {
+  const int64_t num_slots = kv_cache.size(1), kv_heads = kv_cache.size(2), dim = q.size(2);
+  const T* k = kv_cache.data_ptr<T>();
+  const Problem<T> p{q.data_ptr<T>(), k, k + num_slots * kv_heads * dim,
+                     block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), q.size(0), q.size(1), kv_heads, dim,
+                     block_table.size(1), block_size, window, static_cast<float>(scale)};
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0 && p.group() <= kMaxGroup) return attend_tiled(p);
+#endif
+  attend_plain(p);
 }
 
 }  // namespace

@@ -134,9 +134,17 @@ inline void add_scaled(float* acc, float weight, const T* value, int64_t dim) {
 
 // scores[0, n) := exp(scores - max); returns their sum.
 inline float softmax_numerators(float* scores, int64_t n) {
-  const float top = *std::max_element(scores, scores + n);
-  float sum = 0.f;
+  float top = scores[0];
   int64_t t = 0;
+#if defined(__AVX512F__)
+  // The max in vectors: a scalar max is one long dependency chain.
+  __m512 tops = _mm512_set1_ps(top);
+  for (; t + kLanes <= n; t += kLanes) tops = _mm512_max_ps(tops, _mm512_loadu_ps(scores + t));
+  top = _mm512_reduce_max_ps(tops);
+#endif
+  for (; t < n; ++t) top = std::max(top, scores[t]);
+  float sum = 0.f;
+  t = 0;
 #if defined(__AVX512F__)
   const __m512 shift = _mm512_set1_ps(top);
   __m512 total = _mm512_setzero_ps();
