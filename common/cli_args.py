@@ -312,6 +312,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "machine's cores divided among the worker processes)",
     )
     p.add_argument(
+        "--adaptive-worker-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a worker on one core fewer while another process keeps its threads "
+        "waiting for a core, trying them all again every few seconds (default: on)",
+    )
+    p.add_argument(
         "--external-workers",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -277,6 +277,9 @@ class DisaggConfig:
     prefill_tp: int = 1  # ranks of the prefill pool (split pools)
     decode_tp: int = 1  # ranks of the decode pool; may differ: the hand-off re-shards
     worker_threads: int | None = None  # per worker process; None: cores / worker processes
+    # One core fewer while another process keeps the worker's threads waiting for theirs
+    # (worker/thread_governor.py); off: always worker_threads.
+    adaptive_worker_threads: bool = True
     # The engine binds these for its pools; a worker by its own command connects to one.
     external_workers: bool = False  # the engine waits for workers started apart
     unified_pool_address: str = ""

@@ -42,6 +42,7 @@ from common.messages import (
 from common.model_files import gguf_source, resolve_model_dir
 from common.process import die_with_parent, release_free_memory
 from worker.engine_link import EngineLink, enable_heartbeats
+from worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,15 @@ def _heartbeats(
     while not stop.wait(HEARTBEAT_INTERVAL_S):
         sock.send(frame)
     sock.close()
+
+
+def _thread_governor(config: TandemConfig) -> ThreadGovernor | None:
+    """The step loop's thread governor; None with ``--no-adaptive-worker-threads``."""
+    import torch
+
+    if not config.disagg.adaptive_worker_threads:
+        return None
+    return ThreadGovernor(config.disagg.threads_per_worker(), torch.set_num_threads)
 
 
 def _build_runner(
@@ -222,6 +232,7 @@ def run_worker(
             notify = ctx.socket(zmq.PULL)
             notify.connect(NOTIFY_ADDRESS)
             poller.register(notify, zmq.POLLIN)
+        governor = _thread_governor(config)
         fault_step = _fault_step()
         num_steps = 0
         trimmed = True
@@ -246,6 +257,8 @@ def run_worker(
                     return 0
                 if not trimmed:  # idle: hand the allocator's free memory back to the OS
                     release_free_memory()
+                    if governor is not None:
+                        governor.idle()
                     trimmed = True
                 continue
             trimmed = False
@@ -255,7 +268,11 @@ def run_worker(
             num_steps += 1
             if num_steps == fault_step:
                 raise InjectedFault(f"fault injected on step {num_steps} ({FAULT_INJECTION_ENV})")
-            sock.send(codec.encode(runner.execute(message)))
+            started = time.perf_counter()
+            output = runner.execute(message)
+            if governor is not None:
+                governor.step_done(time.perf_counter() - started)
+            sock.send(codec.encode(output))
     except Exception as e:
         logger.error("worker %d failed: %s", rank, traceback.format_exc())
         sock.send(codec.encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
