@@ -2,13 +2,17 @@
 (``LLM.generate``) and OpenVINO GenAI's ``ContinuousBatchingPipeline`` take the same
 seeded prompts as token ids, each generating exactly ``max_tokens`` greedily, at each
 concurrency: ``c`` prompts submitted at once, wave after wave (``c = 1``: one at a
-time). Systems alternate run by run (this host's speed drifts). A table on stdout,
-JSON in bench/results/offline.json.
+time). Systems alternate run by run (this host's speed drifts). ``--busy-cores N`` keeps
+N processes spinning beside every system for the whole run (a host shared with other
+work). A table on stdout, JSON in bench/results/offline.json (offline-busyN.json).
 
 Systems (each skipped with a printed reason when unavailable):
   tandem    LLM(model, dtype=...) in this process (its engine and worker are children)
             without its prefix cache (each point reruns the same prompts; OpenVINO's
             is off by default too)
+  tandem-fixed-threads
+            the same with --no-adaptive-worker-threads: the worker keeps every core's
+            thread even while another process holds one (compare with --busy-cores)
   openvino  OpenVINO GenAI on SmolLM2 exported to an IR (make bench-peers); computes and
             keeps its KV cache in bf16 (--dtype bfloat16) or f32
 """
@@ -16,9 +20,13 @@ Systems (each skipped with a printed reason when unavailable):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from api_server.offline import LLM
@@ -40,11 +48,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="tandem,openvino", help="comma-separated (default: all)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="processes kept spinning beside the systems for the whole run (default: 0)",
+    )
     return p.parse_args(argv)
 
 
 def run_tandem(
-    prompts: list[list[int]], max_tokens: int, concurrency: list[int], dtype: str
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: list[int],
+    dtype: str,
+    adaptive_threads: bool = True,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every concurrency point on one ``LLM``; and the peak RSS of its engine and worker."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -52,6 +70,7 @@ def run_tandem(
     options: dict[str, Any] = {
         "dtype": dtype,
         "enable_prefix_caching": False,
+        "adaptive_worker_threads": adaptive_threads,
         "log_level": "warning",
     }
     with LLM(MODEL, **options) as llm, PeakRss(llm.engine_pid) as peak:
@@ -93,7 +112,9 @@ class Engine(Protocol):
 
 
 class TandemEngine:
-    name = "tandem"
+    def __init__(self, name: str, adaptive_threads: bool) -> None:
+        self.name = name
+        self.adaptive_threads = adaptive_threads
 
     def missing(self) -> str | None:
         return None
@@ -101,7 +122,9 @@ class TandemEngine:
     def run(
         self, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
     ) -> dict[str, Any]:
-        points, rss = run_tandem(prompts, max_tokens, args.concurrency, args.dtype)
+        points, rss = run_tandem(
+            prompts, max_tokens, args.concurrency, args.dtype, self.adaptive_threads
+        )
         return {"points": points, "peak_rss_bytes": rss}
 
 
@@ -121,7 +144,26 @@ class OpenVinoEngine:
         return {"version": ov.version, "points": ov.points, "peak_rss_bytes": ov.peak_rss_bytes}
 
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (TandemEngine(), OpenVinoEngine())}
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in (
+        TandemEngine("tandem", adaptive_threads=True),
+        TandemEngine("tandem-fixed-threads", adaptive_threads=False),
+        OpenVinoEngine(),
+    )
+}
+
+
+@contextlib.contextmanager
+def busy_cores(count: int) -> Iterator[None]:
+    """``count`` processes spinning until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
 
 
 def _available(names: list[str]) -> list[Engine]:
@@ -174,11 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = requests[0].max_tokens
     engines = _available(args.systems.split(","))
     runs: list[dict[str, Any]] = []
-    for rep in range(args.repetitions):
-        for engine in engines:
-            print(f"run {rep + 1}: {engine.name}", flush=True)
-            result = engine.run(prompts, max_tokens, args)
-            runs.append({"system": engine.name, "repetition": rep + 1, **result})
+    with busy_cores(args.busy_cores):
+        for rep in range(args.repetitions):
+            for engine in engines:
+                print(f"run {rep + 1}: {engine.name}", flush=True)
+                result = engine.run(prompts, max_tokens, args)
+                runs.append({"system": engine.name, "repetition": rep + 1, **result})
     print_table(
         [
             "system",
@@ -193,9 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         _rows(runs, len(prompts)),
     )
     path = write_results(
-        "offline",
+        f"offline-busy{args.busy_cores}" if args.busy_cores else "offline",
         {
             "workload": args.workload,
+            "busy_cores": args.busy_cores,
             "num_requests": args.num_requests,
             "max_tokens": max_tokens,
             "dtype": args.dtype,
