@@ -269,10 +269,9 @@ def run_worker(
             if num_steps == fault_step:
                 raise InjectedFault(f"fault injected on step {num_steps} ({FAULT_INJECTION_ENV})")
             started = time.perf_counter()
-            output = runner.execute(message)
-            if governor is not None:
+            sock.send(codec.encode(runner.execute(message)))
+            if governor is not None:  # after the send: its /proc reads never delay a step
                 governor.step_done(time.perf_counter() - started)
-            sock.send(codec.encode(output))
     except Exception as e:
         logger.error("worker %d failed: %s", rank, traceback.format_exc())
         sock.send(codec.encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
