@@ -42,7 +42,9 @@ inline float half_at(const uint8_t* p) {
 
 constexpr int64_t kRowsPerTile = 8;       // input rows whose sums stay in registers
 constexpr int64_t kOutputsPerTask = 16;   // at::parallel_for grain, in output rows
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of a row's stream to prefetch
+// How far ahead of a row's stream to prefetch: of 2, 4, 8, 16 and 32 KiB, 8 read 66 MB of
+// Q4_1 rows fastest at one input row (13 GB/s on 2 threads; 2 KiB: 8.5 GB/s).
+constexpr int64_t kPrefetchBytes = 8192;
 
 // --- the block formats ------------------------------------------------------------------
 // Each has kWeights and kBytes per block and dequant(block, out): float32 exactly as
