@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "simd.h"
 
@@ -49,14 +50,19 @@ constexpr int64_t kPrefetchBytes = 8192;
 // --- the block formats ------------------------------------------------------------------
 // Each has kWeights and kBytes per block and dequant(block, out): float32 exactly as
 // gguf-py's dequantize_blocks computes it. The 32-weight formats also have, with
-// AVX-512, lanes(block, lo, hi): the same 32 values in two registers, not stored.
+// AVX-512, quants(block, lo, hi): the 32 quants as whole floats in two registers (less
+// the centre for the formats without a min), beside scale(block) and, where kHasOffset,
+// offset(block): weight j = scale * quant j (+ offset), as dequant computes it.
 
 // Q4_0 (d * (q - 8)), Q4_1 (d * q + m): byte j holds weight j (low nibble) and j + 16.
 template <bool kHasMin>
 struct Q4 {
   static constexpr int64_t kWeights = 32, kBytes = kHasMin ? 20 : 18;
+  static constexpr bool kHasOffset = kHasMin;
+  static float scale(const uint8_t* b) { return half_at(b); }
+  static float offset(const uint8_t* b) { return kHasMin ? half_at(b + 2) : 0.0f; }
 #if defined(__AVX512F__)
-  static inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
+  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
     const __m512i q = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kHasMin ? 4 : 2))));
     __m512i ql = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), qh = _mm512_srli_epi32(q, 4);
@@ -64,14 +70,8 @@ struct Q4 {
       ql = _mm512_sub_epi32(ql, _mm512_set1_epi32(8));
       qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
     }
-    const __m512 d = _mm512_set1_ps(half_at(b));
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ql));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(qh));
-    if (kHasMin) {
-      const __m512 m = _mm512_set1_ps(half_at(b + 2));
-      lo = _mm512_add_ps(lo, m);
-      hi = _mm512_add_ps(hi, m);
-    }
+    lo = _mm512_cvtepi32_ps(ql);
+    hi = _mm512_cvtepi32_ps(qh);
   }
 #endif
   static void dequant(const uint8_t* b, float* out) {
@@ -89,8 +89,11 @@ struct Q4 {
 template <bool kHasMin>
 struct Q5 {
   static constexpr int64_t kWeights = 32, kBytes = kHasMin ? 24 : 22;
+  static constexpr bool kHasOffset = kHasMin;
+  static float scale(const uint8_t* b) { return half_at(b); }
+  static float offset(const uint8_t* b) { return kHasMin ? half_at(b + 2) : 0.0f; }
 #if defined(__AVX512F__)
-  static inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
+  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
     const uint8_t* p = b + (kHasMin ? 4 : 2);
     uint32_t bits;
     std::memcpy(&bits, p, 4);
@@ -104,14 +107,8 @@ struct Q5 {
       ql = _mm512_sub_epi32(ql, sixteen);
       qh = _mm512_sub_epi32(qh, sixteen);
     }
-    const __m512 d = _mm512_set1_ps(half_at(b));
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ql));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(qh));
-    if (kHasMin) {
-      const __m512 m = _mm512_set1_ps(half_at(b + 2));
-      lo = _mm512_add_ps(lo, m);
-      hi = _mm512_add_ps(hi, m);
-    }
+    lo = _mm512_cvtepi32_ps(ql);
+    hi = _mm512_cvtepi32_ps(qh);
   }
 #endif
   static void dequant(const uint8_t* b, float* out) {
@@ -132,12 +129,13 @@ struct Q5 {
 // Q8_0: q * d.
 struct Q8_0 {
   static constexpr int64_t kWeights = 32, kBytes = 34;
+  static constexpr bool kHasOffset = false;
+  static float scale(const uint8_t* b) { return half_at(b); }
 #if defined(__AVX512F__)
-  static inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(half_at(b));
+  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
     const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
   }
 #endif
   static void dequant(const uint8_t* b, float* out) {
@@ -205,6 +203,22 @@ struct Q6_K {
   }
 };
 
+#if defined(__AVX512F__)
+// A 32-weight block's weights in two registers, not stored: dequant's operations.
+template <typename F>
+inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
+  F::quants(b, lo, hi);
+  const __m512 d = _mm512_set1_ps(F::scale(b));
+  lo = _mm512_mul_ps(d, lo);
+  hi = _mm512_mul_ps(d, hi);
+  if constexpr (F::kHasOffset) {
+    const __m512 m = _mm512_set1_ps(F::offset(b));
+    lo = _mm512_add_ps(lo, m);
+    hi = _mm512_add_ps(hi, m);
+  }
+}
+#endif
+
 // Calls body(Format{}) for a ggml type id: the one switch over block formats.
 template <typename Body>
 void with_format(int64_t type, Body&& body) {
@@ -235,6 +249,17 @@ int64_t checked_blocks(const char* kernel, const at::Tensor& weight, int64_t in)
   return blocks;
 }
 
+// Up to this many input rows a 32-weight block is dotted as scale * (quants . x) (+ offset
+// * sum(x)): the quants are converted and the scale applied once per row of the block, not
+// per weight, which is most of the work when one or two rows share a weight (batch-1
+// decode). Past it, dequantizing a block once for all the rows costs less.
+constexpr int kFactoredRows = 2;
+
+template <typename F>
+constexpr bool factored(int T) {
+  return F::kWeights == 32 && T <= kFactoredRows;
+}
+
 // out[t * N + r] = dot(weight row r, x[t * K]) for T input rows and R consecutive weight
 // rows (independent sums, so FMA latency overlaps), each row dequantized block by block
 // (32-weight formats straight into registers), float32 lanes summed once. Reads ahead of
@@ -242,18 +267,32 @@ int64_t checked_blocks(const char* kernel, const at::Tensor& weight, int64_t in)
 // hardware prefetcher to ramp up on its own.
 template <typename F, int T, int R>
 void dot_rows(const uint8_t* rows, int64_t row_bytes, int64_t blocks, const float* x, int64_t K,
-              float* out, int64_t N) {
+              const float* xsum, float* out, int64_t N) {
 #if defined(__AVX512F__)
   __m512 acc[T][R];
+  float off[T][R] = {};
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = rows + b * F::kBytes;
     const float* xb = x + b * F::kWeights;
     for (int r = 0; r < R; ++r) _mm_prefetch(block + r * row_bytes + kPrefetchBytes, _MM_HINT_T0);
-    if constexpr (F::kWeights == 32) {
+    if constexpr (factored<F>(T)) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* wb = block + r * row_bytes;
+        __m512 lo, hi;
+        F::quants(wb, lo, hi);
+        const __m512 d = _mm512_set1_ps(F::scale(wb));
+        for (int t = 0; t < T; ++t) {
+          __m512 dot = _mm512_mul_ps(lo, _mm512_loadu_ps(xb + t * K));
+          dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + t * K + 16), dot);
+          acc[t][r] = _mm512_fmadd_ps(d, dot, acc[t][r]);
+          if constexpr (F::kHasOffset) off[t][r] += F::offset(wb) * xsum[t * blocks + b];
+        }
+      }
+    } else if constexpr (F::kWeights == 32) {
       __m512 lo[R], hi[R];
-      for (int r = 0; r < R; ++r) F::lanes(block + r * row_bytes, lo[r], hi[r]);
+      for (int r = 0; r < R; ++r) lanes<F>(block + r * row_bytes, lo[r], hi[r]);
       for (int t = 0; t < T; ++t) {
         const __m512 xl = _mm512_loadu_ps(xb + t * K), xh = _mm512_loadu_ps(xb + t * K + 16);
         for (int r = 0; r < R; ++r) {
@@ -274,7 +313,7 @@ void dot_rows(const uint8_t* rows, int64_t row_bytes, int64_t blocks, const floa
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) out[t * N + r] = _mm512_reduce_add_ps(acc[t][r]);
+    for (int r = 0; r < R; ++r) out[t * N + r] = _mm512_reduce_add_ps(acc[t][r]) + off[t][r];
 #else
   float sum[T][R] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -297,25 +336,26 @@ constexpr int rows_for(int T) { return T <= 2 ? 4 : 2; }
 // Output rows [begin, end) for input rows [m0, m0 + T), R weight rows at a time.
 template <typename F, int T>
 void tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* x, int64_t K,
-          float* y, int64_t N, int64_t begin, int64_t end) {
+          const float* xsum, float* y, int64_t N, int64_t begin, int64_t end) {
   constexpr int R = rows_for(T);
   int64_t n = begin;
-  for (; n + R <= end; n += R) dot_rows<F, T, R>(w + n * row_bytes, row_bytes, blocks, x, K, y + n, N);
-  for (; n < end; ++n) dot_rows<F, T, 1>(w + n * row_bytes, row_bytes, blocks, x, K, y + n, N);
+  for (; n + R <= end; n += R)
+    dot_rows<F, T, R>(w + n * row_bytes, row_bytes, blocks, x, K, xsum, y + n, N);
+  for (; n < end; ++n) dot_rows<F, T, 1>(w + n * row_bytes, row_bytes, blocks, x, K, xsum, y + n, N);
 }
 
 template <typename F>
 void tile_any(int64_t T, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* x,
-              int64_t K, float* y, int64_t N, int64_t begin, int64_t end) {
+              int64_t K, const float* xsum, float* y, int64_t N, int64_t begin, int64_t end) {
   switch (T) {
-    case 1: return tile<F, 1>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 2: return tile<F, 2>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 3: return tile<F, 3>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 4: return tile<F, 4>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 5: return tile<F, 5>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 6: return tile<F, 6>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    case 7: return tile<F, 7>(w, row_bytes, blocks, x, K, y, N, begin, end);
-    default: return tile<F, 8>(w, row_bytes, blocks, x, K, y, N, begin, end);
+    case 1: return tile<F, 1>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 2: return tile<F, 2>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 3: return tile<F, 3>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 4: return tile<F, 4>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 5: return tile<F, 5>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 6: return tile<F, 6>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    case 7: return tile<F, 7>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
+    default: return tile<F, 8>(w, row_bytes, blocks, x, K, xsum, y, N, begin, end);
   }
 }
 
@@ -343,7 +383,7 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 #if defined(__AVX512F__)
         if constexpr (F::kWeights == 32) {
           __m512 lo, hi;
-          F::lanes(w + i * F::kBytes, lo, hi);
+          lanes<F>(w + i * F::kBytes, lo, hi);
           tandem::store_lanes(dst, lo);
           tandem::store_lanes(dst + 16, hi);
           continue;
@@ -378,10 +418,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
     const int64_t row_bytes = weight.size(1);
     const float* xp = x.data_ptr<float>();
     float* y = out.data_ptr<float>();
+    // Each input row's sum over each block, for the factored dot's offset term (a tile
+    // of few rows can come last after full ones: every row gets its sums).
+    std::vector<float> xsum;
+    if constexpr (F::kWeights == 32) {
+      if (F::kHasOffset) {
+        xsum.resize(M * blocks);
+        for (int64_t i = 0; i < M * blocks; ++i) {
+          float sum = 0.0f;
+          for (int64_t j = 0; j < F::kWeights; ++j) sum += xp[i * F::kWeights + j];
+          xsum[i] = sum;
+        }
+      }
+    }
     at::parallel_for(0, N, kOutputsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerTile)
         tile_any<F>(std::min(kRowsPerTile, M - m0), w, row_bytes, blocks, xp + m0 * K, K,
-                    y + m0 * N, N, begin, end);
+                    xsum.empty() ? nullptr : xsum.data() + m0 * blocks, y + m0 * N, N, begin,
+                    end);
       if (b != nullptr)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t n = begin; n < end; ++n) y[m * N + n] += b[n];
