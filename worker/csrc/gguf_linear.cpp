@@ -418,15 +418,18 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
     const int64_t row_bytes = weight.size(1);
     const float* xp = x.data_ptr<float>();
     float* y = out.data_ptr<float>();
-    // Each input row's sum over each block, for the factored dot's offset term (a tile
-    // of few rows can come last after full ones: every row gets its sums).
+    // Only the last tile can have as few rows as the factored dot takes (the others have
+    // kRowsPerTile); where it does and the format has an offset, its rows' sum of x over
+    // each block, for the offset's term.
+    const int64_t last = (M - 1) / kRowsPerTile * kRowsPerTile;  // the last tile's first row
     std::vector<float> xsum;
     if constexpr (F::kWeights == 32) {
-      if (F::kHasOffset) {
-        xsum.resize(M * blocks);
-        for (int64_t i = 0; i < M * blocks; ++i) {
+      if (F::kHasOffset && M - last <= kFactoredRows) {
+        xsum.resize((M - last) * blocks);
+        const float* rows = xp + last * K;
+        for (size_t i = 0; i < xsum.size(); ++i) {
           float sum = 0.0f;
-          for (int64_t j = 0; j < F::kWeights; ++j) sum += xp[i * F::kWeights + j];
+          for (int64_t j = 0; j < F::kWeights; ++j) sum += rows[i * F::kWeights + j];
           xsum[i] = sum;
         }
       }
@@ -434,7 +437,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
     at::parallel_for(0, N, kOutputsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerTile)
         tile_any<F>(std::min(kRowsPerTile, M - m0), w, row_bytes, blocks, xp + m0 * K, K,
-                    xsum.empty() ? nullptr : xsum.data() + m0 * blocks, y + m0 * N, N, begin,
+                    m0 == last && !xsum.empty() ? xsum.data() : nullptr, y + m0 * N, N, begin,
                     end);
       if (b != nullptr)
         for (int64_t m = 0; m < M; ++m)
