@@ -1,14 +1,15 @@
 """``python -m bench.gemv``: one decode step's projections, oneDNN's prepacked matmul
-against Tandem's AVX512-BF16 GEMV, at 1-8 rows, beside the weight-bandwidth floor.
+against Tandem's GEMV (AVX512-BF16 to 4 rows, AMX to 32 where the CPU has it), at 1-32
+rows, beside the weight-bandwidth floor.
 
 Every projection of the model (fused q/k/v, o, fused gate/up, down, per layer, then the
 LM head) gets its own random bfloat16 weight of the checkpoint's shape, so one pass reads
 the model's projection bytes from memory, not from cache, as a decode step does. The two
 kernels alternate pass by pass (the host drifts); each cell is the median of the passes.
-It decides ``GEMV_MAX_ROWS`` (``worker/models/packed_linear.py``). Writes
-``bench/results/gemv-MODEL.json``.
+It decides how many rows the GEMV takes (``bf16_gemv_max_rows`` in
+``worker/csrc/gemv.cpp``). Writes ``bench/results/gemv-MODEL.json``.
 
-    .venv/bin/python -m bench.gemv [--rows 1 2 3 4 8] [--passes 15]
+    .venv/bin/python -m bench.gemv [--rows 1 2 3 4 8 16 32] [--passes 15]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bench.floor import bandwidth_gb_s
 from bench.harness import median_ms_interleaved, print_table, write_results
 from common.model_files import resolve_model_dir
 from worker.models.loader import read_hf_config
-from worker.models.packed_linear import GEMV_MAX_ROWS, PackedLinear
+from worker.models.packed_linear import PackedLinear
 from worker.native import NativeKernels, load_native_kernels
 
 
@@ -58,7 +59,7 @@ def time_rows(
             kernels.bf16_gemv(xs[i], weight, None)
 
     kinds: dict[str, Callable[[], None]] = {"onednn": onednn}
-    if rows <= GEMV_MAX_ROWS:  # the kernel's limit
+    if all(rows <= kernels.bf16_gemv_max_rows(o, i) for o, i in shapes):  # the kernel's limit
         kinds["gemv"] = gemv
     medians = median_ms_interleaved(kinds, passes)
     return {"rows": rows, **{f"{k}_ms": ms for k, ms in medians.items()}}
@@ -67,7 +68,7 @@ def time_rows(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gemv", description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32])
     p.add_argument("--passes", type=int, default=15)
     args = p.parse_args(argv)
     kernels = load_native_kernels()

@@ -25,6 +25,7 @@ is not charged to any part). Writes ``bench/results/step_profile-MODEL-DTYPE.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -156,7 +157,7 @@ def label_ops(runner: ModelRunner) -> None:
     model_runner_module.sample = _label("sampling", model_runner_module.sample)
     for module in runner.model.modules():  # the small-batch GEMV is held by each linear
         if isinstance(module, PackedLinear) and module.gemv is not None:
-            module.gemv = _label("matmul", module.gemv)
+            module.gemv = dataclasses.replace(module.gemv, run=_label("matmul", module.gemv.run))
     model = runner.model
     if isinstance(model, DecoderLM) and model.fused_decode is not None:
         # One call holds every layer's projections, attention, norms: not split further.

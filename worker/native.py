@@ -47,6 +47,7 @@ SOURCES = [
         "rms_norm.cpp",
         "elementwise.cpp",
         "gemv.cpp",
+        "amx_linear.cpp",
         "decode_stack.cpp",
         "gguf_linear.cpp",
     )
@@ -108,6 +109,8 @@ class NativeKernels(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def has_bf16_gemv(self) -> bool: ...
+
+    def bf16_gemv_max_rows(self, out_features: int, in_features: int) -> int: ...
 
     def bf16_gemv(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

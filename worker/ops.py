@@ -69,7 +69,7 @@ class Ops(Protocol):
 
     @property
     def small_batch_linear(self) -> Gemv | None:
-        """A bfloat16 GEMV for projections of 1-4 rows (``PackedLinear``), if there is one."""
+        """A bfloat16 GEMV for projections of a few rows (``PackedLinear``), if there is one."""
 
 
 ACTIVATIONS = {
@@ -190,7 +190,9 @@ class NativeOps(TorchOps):
     @property
     def small_batch_linear(self) -> Gemv | None:
         # Built only where the compiler targets AVX512-BF16 (not the portable levels).
-        return self.kernels.bf16_gemv if self.kernels.has_bf16_gemv() else None
+        if not self.kernels.has_bf16_gemv():
+            return None
+        return Gemv(self.kernels.bf16_gemv, self.kernels.bf16_gemv_max_rows)
 
 
 def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:

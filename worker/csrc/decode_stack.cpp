@@ -10,7 +10,7 @@
 // with optional bias, residual add + RMSNorm, fused gate/up, SiLU-and-multiply, down
 // projection, residual add) reads norms[2 l + i] (input, post-attention), plain[4 l + i]
 // and packed[4 l + i] (qkv, o, gate_up, down: the plain weight where the GEMV takes
-// 1-4 rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's). With
+// a few rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's). With
 // --quantization gguf a projection is a QuantLinear instead: gguf_types[4 l + i] is its
 // ggml type (-1 for a PackedLinear), plain[4 l + i] its blocks, packed[4 l + i] unused.
 #include <ATen/ATen.h>
@@ -28,7 +28,6 @@ namespace {
 constexpr size_t kNormsPerLayer = 2;    // input, post-attention
 constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
-constexpr int64_t kGemvMaxRows = 4;     // PackedLinear's GEMV_MAX_ROWS
 
 // oneDNN's prepacked linear: the op PackedLinear.forward calls past the GEMV's rows.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -42,10 +41,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-// PackedLinear.forward: 1-4 rows on the GEMV where the plain weight is kept, else oneDNN.
+// PackedLinear.forward: the GEMV's rows where the plain weight is kept, else oneDNN.
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
                   const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  if (plain.has_value() && x.size(0) <= kGemvMaxRows) return bf16_gemv(x, *plain, bias);
+  if (plain.has_value() && x.size(0) <= bf16_gemv_max_rows(plain->size(0), plain->size(1)))
+    return bf16_gemv(x, *plain, bias);
   return onednn_linear(x, packed, bias);
 }
 

@@ -1,4 +1,5 @@
 // bfloat16 matrix-vector products for decode steps of a few rows: y = x W^T (+ bias).
+// (3-32 rows go to the AMX kernel where there is one: amx_linear.cpp.)
 //
 // At batch 1-4 a projection is one pass over its weight, so its speed is the memory's.
 // oneDNN's prepacked matmul spends ~20-30 us a call in setup and reaches ~14 GB/s over a
@@ -15,6 +16,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "kernels.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TANDEM_HAS_BF16_GEMV 1
@@ -24,9 +27,12 @@
 
 namespace {
 
-// The most input rows one call takes: past 4 rows the products are compute-bound and
-// oneDNN's AMX/AVX-512 matmul is faster (measured in bench/results/gemv.json).
+// The most input rows the AVX512-BF16 path takes: past 4 rows its products are
+// compute-bound and AMX (ours, or oneDNN's) is faster (bench/results/gemv.json).
 constexpr int64_t kMaxRows = 4;
+// From 3 rows the AMX kernel, where a weight's shape fits its tiles, is faster still
+// (12.6 against 13.2 ms over SmolLM2's projections at 3 rows, 12.3 against 11.9 at 2).
+constexpr int64_t kAmxFromRows = 3;
 
 #if TANDEM_HAS_BF16_GEMV
 constexpr int64_t kRowBlock = 4;        // output rows per block: 4 x (up to 4) accumulators
@@ -83,8 +89,14 @@ void gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint1
 
 bool has_bf16_gemv() { return TANDEM_HAS_BF16_GEMV; }
 
-// x [M, K] (M <= 4), weight [N, K], bias [N] or none, all bfloat16 and contiguous:
-// returns x weight^T + bias [M, N], each sum in float32, rounded once to bfloat16.
+int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features) {
+  if (!TANDEM_HAS_BF16_GEMV) return 0;
+  return std::max(kMaxRows, amx_linear_max_rows(out_features, in_features));
+}
+
+// x [M, K] (M <= bf16_gemv_max_rows(N, K)), weight [N, K], bias [N] or none, all
+// bfloat16 and contiguous: returns x weight^T + bias [M, N], each sum in float32, rounded
+// once to bfloat16.
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(TANDEM_HAS_BF16_GEMV, "bf16_gemv: built for a CPU without AVX512-BF16");
@@ -93,10 +105,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
               "bf16_gemv takes bfloat16 tensors");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "bf16_gemv: x must be [M, K] and weight [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "bf16_gemv takes 1 to ", kMaxRows,
-              " rows, got ", x.size(0));
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "bf16_gemv: contiguous tensors only");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  const int64_t max_rows = bf16_gemv_max_rows(N, K);
+  TORCH_CHECK(M >= 1 && M <= max_rows, "bf16_gemv takes 1 to ", max_rows, " rows of a [", N,
+              ", ", K, "] weight, got ", M);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "bf16_gemv: contiguous tensors only");
   const uint16_t* bias_data = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
@@ -104,6 +117,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                 "bf16_gemv: bias must be contiguous bfloat16 [N]");
     bias_data = reinterpret_cast<const uint16_t*>(bias->data_ptr());
   }
+  if (M >= kAmxFromRows && M <= amx_linear_max_rows(N, K)) return amx_linear(x, weight, bias);
   at::Tensor y = at::empty({M, N}, x.options());
 #if TANDEM_HAS_BF16_GEMV
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -22,6 +22,11 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 bool has_bf16_gemv();
+int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features);
+bool has_amx_linear();
+int64_t amx_linear_max_rows(int64_t out_features, int64_t in_features);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias);
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,

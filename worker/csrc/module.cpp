@@ -13,7 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "structured outputs: -inf where a token's mask bit is clear, in place");
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether bf16_gemv was built (AVX512-BF16)");
-  m.def("bf16_gemv", &bf16_gemv, "x W^T + b for 1-4 bfloat16 rows, streaming W",
+  m.def("bf16_gemv_max_rows", &bf16_gemv_max_rows,
+        "the most rows bf16_gemv takes for a weight of this shape (0: none)",
+        py::arg("out_features"), py::arg("in_features"));
+  m.def("bf16_gemv", &bf16_gemv, "x W^T + b for a few bfloat16 rows, streaming W",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize,
         "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),

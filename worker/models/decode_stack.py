@@ -3,8 +3,9 @@
 The interpreter costs ~6 ms a step whatever the batch (``bench/step_profile``): a fifth
 of a batch-1 step, more than its attention. ``worker/csrc/decode_stack.cpp`` runs the
 very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` over ``PackedLinear``
-projections (the GEMV for 1-4 rows where it exists, oneDNN's packed matmul otherwise),
-in the same order with the same arguments, so a step through it is bit-identical to one
+projections (the GEMV for the rows it takes where it exists, oneDNN's packed matmul
+otherwise), in the same order with the same arguments, so a step through it is
+bit-identical to one
 through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the

@@ -8,18 +8,20 @@ projection 1.3-2x faster, with bit-identical results (checked in tests/unit). fl
 is left alone: its prepacked kernels accumulate in another order, and float32 is the
 dtype of the parity tests.
 
-At 1-4 rows a projection is a single pass over its weight, and oneDNN's per-call setup
-keeps it well below the memory's speed; where the native kernels have an AVX512-BF16
-GEMV (``NativeOps.small_batch_linear``), those rows go to it instead, over the plain
-weight kept beside the packed one. That costs a second copy of the projection weights
-(the LM head of a tied model excepted: its plain weight is the embedding) and buys
-batch-1 steps at the memory floor (``python -m bench.gemv``).
+At decode batch sizes a projection is a single pass over its weight, and oneDNN's
+per-call setup and packed layout keep it well below the memory's speed; where the native
+kernels have an AVX512-BF16 GEMV (``NativeOps.small_batch_linear``: 1-4 rows, and on AMX
+CPUs 3-32 rows where a weight's shape fits its tiles), those rows go to it instead,
+over the plain weight kept beside the packed one. That costs a second copy of the
+projection weights (the LM head of a tied model excepted: its plain weight is the
+embedding) and buys batch-1 steps at the memory floor (``python -m bench.gemv``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,11 +31,17 @@ logger = logging.getLogger(__name__)
 # The batch-size hint oneDNN packs for; 32 gave identical results to F.linear at every
 # batch size measured (a hint of 1 does not for large batches).
 PACK_HINT = 32
-# The most rows the GEMV takes (the kernel's own limit): past it oneDNN is faster.
-GEMV_MAX_ROWS = 4
 
-# ``(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]``, bfloat16.
-Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+@dataclass(frozen=True)
+class Gemv:
+    """A kernel for projections of a few bfloat16 rows over the plain weight."""
+
+    # ``(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]``
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # ``(out_features, in_features) -> the most rows run takes`` (0: none); past them
+    # oneDNN is faster (bench.gemv)
+    max_rows: Callable[[int, int], int]
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -47,8 +55,8 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only);
-    given a ``gemv``, batches of up to ``GEMV_MAX_ROWS`` rows go to it over the plain
-    weight, kept for it."""
+    given a ``gemv``, batches of up to the rows it takes for this shape go to it over the
+    plain weight, kept for it."""
 
     packed_weight: torch.Tensor
     weight: torch.Tensor | None  # the plain weight, kept only for the gemv
@@ -64,13 +72,18 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
         self.gemv = gemv
-        plain = linear.weight.detach().contiguous() if gemv is not None else None
+        self.gemv_rows = gemv.max_rows(self.out_features, self.in_features) if gemv else 0
+        plain = linear.weight.detach().contiguous() if self.gemv_rows > 0 else None
         self.register_buffer("weight", plain, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.gemv is not None and self.weight is not None and 0 < flat.shape[0] <= GEMV_MAX_ROWS:
-            out = self.gemv(flat.contiguous(), self.weight, self.bias)
+        if (
+            self.gemv is not None
+            and self.weight is not None
+            and 0 < flat.shape[0] <= self.gemv_rows
+        ):
+            out = self.gemv.run(flat.contiguous(), self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(
                 flat, self.packed_weight, self.bias, "none", [], ""
