@@ -142,13 +142,23 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -> SamplerOutput:
     """``logits``: [n, vocab] -> one token per row (and logprobs where asked). ``ops``
     applies the structured-output bitmask (the worker's ops; PyTorch's by default)."""
+    ops = ops or TorchOps()
+    filtered = bool(batch.banned or batch.allowed) or batch.bias is not None
+    filtered = filtered or batch.token_bitmask is not None
+    if batch.all_greedy and not filtered and batch.output_counts is None:
+        # The common greedy step: the argmax of the logits as they are (bf16 values
+        # compare as their float32 conversions do), float32 only for logprobs.
+        tokens = ops.argmax(logits)
+        wants_logprobs = any(w is not None for w in batch.num_logprobs)
+        raw = logits.float() if wants_logprobs else logits
+        return SamplerOutput(tokens.tolist(), _logprobs(raw, tokens, batch.num_logprobs))
     logits = logits.float()
     raw = logits
-    if batch.banned or batch.allowed or batch.bias is not None or batch.token_bitmask is not None:
-        logits = _filter(logits.clone(), batch, ops or TorchOps())
+    if filtered:
+        logits = _filter(logits.clone(), batch, ops)
     if batch.output_counts is not None:
         logits = _apply_penalties(logits, batch)
-    tokens = logits.max(dim=-1).indices  # first maximum, like argmax; much faster on CPU
+    tokens = ops.argmax(logits)
     if not batch.all_greedy:
         greedy = batch.temperature == 0
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)

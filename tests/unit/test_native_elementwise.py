@@ -91,3 +91,22 @@ def test_token_bitmask_kernel_equals_the_torch_path(vocab: int) -> None:
         assert bool((ours[:, 96:] == float("-inf")).all())
     bit = (mask[0, 0] >> 3) & 1
     assert (ours[0, 3] == logits[0, 3]) == bool(bit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 70, 49152])
+def test_argmax_rows_is_torch_max_indices(dtype: torch.dtype, vocab: int) -> None:
+    kernels = load_native_kernels()
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen).to(dtype)
+    # ties: the first maximum wins, wherever the copies fall (lanes, tail)
+    x[1, vocab // 2 :] = float(x[1].max()) + 1
+    x[2] = float("-inf")
+    x[3, vocab - 1] = float(x[3].max()) + 1  # the maximum in the tail
+    x[4, vocab // 3 :] = float("nan")  # NaN wins, as torch.max reports it
+    ours, theirs = kernels.argmax_rows(x), x.max(dim=-1).indices
+    assert ours.dtype == torch.int64 and torch.equal(ours, theirs)
+    assert int(ours[1]) == vocab // 2 and int(ours[2]) == 0 and int(ours[3]) == vocab - 1
+    assert int(ours[4]) == vocab // 3
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.argmax_rows(x.t() if vocab > 1 else x[:, :0])

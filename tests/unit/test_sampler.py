@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from common.messages import SamplingParams
+from worker.native import load_native_kernels
+from worker.ops import NativeOps, TorchOps
 from worker.sampler import SamplingBatch, sample
 
 N = 20000
@@ -53,6 +55,25 @@ def test_greedy_is_argmax() -> None:
         [SamplingParams(temperature=0.0)] * 4, [None] * 4, torch.device("cpu")
     )
     assert sample(x, batch).token_ids == x.argmax(-1).tolist()
+
+
+def test_greedy_reads_bf16_logits_as_they_are_with_native_ops() -> None:
+    """The plain greedy step takes the argmax of the bfloat16 logits (no float32 copy):
+    the same tokens as over their float32 values, with either ops, logprobs in float32."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 49152, generator=gen).to(torch.bfloat16)
+    x[2, 100:] = x[2].max()  # a tie: the first maximum
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(temperature=0.0, logprobs=2)]
+    batch = SamplingBatch.build(params, [None] * 5, torch.device("cpu"))
+    expected = x.float().argmax(-1).tolist()
+    for ops in (TorchOps(), NativeOps(load_native_kernels())):
+        out = sample(x, batch, ops)
+        assert out.token_ids == expected and out.token_ids[2] == int(x[2].float().argmax())
+        last = out.logprobs[4]
+        assert last is not None and out.logprobs[:4] == [None] * 4
+        reference = torch.log_softmax(x[4].float(), -1)
+        assert last.logprob == pytest.approx(float(reference.max()), abs=1e-5)
+        assert last.top_token_ids == reference.topk(2).indices.tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -170,3 +170,68 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask) {
     }
   });
 }
+
+namespace {
+
+// The index of row[0 .. n)'s first maximum; of its first NaN if it has one (as
+// torch.max(dim=-1) answers).
+template <typename T>
+int64_t first_max(const T* row, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(best);
+  __mmask16 unordered = 0;
+  for (; t + tandem::kLanes <= n; t += tandem::kLanes) {
+    const __m512 v = tandem::load_lanes(row + t);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, v);
+  }
+  best = _mm512_reduce_max_ps(top);
+  nan = unordered != 0;
+#endif
+  for (; t < n; ++t) {
+    const float v = static_cast<float>(row[t]);
+    nan = nan || std::isnan(v);
+    best = std::max(best, v);
+  }
+  // The second pass reads the row from cache, and stops at the first match.
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(best);
+  for (; i + tandem::kLanes <= n; i += tandem::kLanes) {
+    const __m512 v = tandem::load_lanes(row + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit != 0) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (nan ? std::isnan(v) : v == best) return i;
+  }
+  return 0;  // n == 0 is refused by the caller
+}
+
+}  // namespace
+
+// Greedy sampling: the index of each row's first maximum of x [rows, vocab] (float32,
+// bfloat16 or float16, contiguous), as int64 [rows]; equal to x.max(dim=-1).indices, read
+// in x's own dtype (no float32 copy of the logits).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu("argmax_rows", x);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows takes contiguous [rows, vocab] logits with vocab > 0");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* index = out.data_ptr<int64_t>();
+  tandem::dispatch_float_types(x.scalar_type(), "argmax_rows", [&](auto zero) {
+    using T = decltype(zero);
+    const T* data = reinterpret_cast<const T*>(x.data_ptr());
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) index[r] = first_max(data + r * vocab, vocab);
+    });
+  });
+  return out;
+}

@@ -21,6 +21,7 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
+at::Tensor argmax_rows(const at::Tensor& x);
 bool has_bf16_gemv();
 int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features);
 bool has_amx_linear();

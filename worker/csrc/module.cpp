@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (sum, normed)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "structured outputs: -inf where a token's mask bit is clear, in place");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's first maximum (greedy sampling), read in the logits' own dtype");
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether bf16_gemv was built (AVX512-BF16)");
   m.def("bf16_gemv_max_rows", &bf16_gemv_max_rows,
         "the most rows bf16_gemv takes for a weight of this shape (0: none)",
