@@ -143,16 +143,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -
     """``logits``: [n, vocab] -> one token per row (and logprobs where asked). ``ops``
     applies the structured-output bitmask (the worker's ops; PyTorch's by default)."""
     ops = ops or TorchOps()
-    filtered = bool(batch.banned or batch.allowed) or batch.bias is not None
+    filtered = bool(batch.banned or batch.allowed or batch.bias is not None)
     filtered = filtered or batch.token_bitmask is not None
-    if batch.all_greedy and not filtered and batch.output_counts is None:
-        # The common greedy step: the argmax of the logits as they are (bf16 values
-        # compare as their float32 conversions do), float32 only for logprobs.
-        tokens = ops.argmax(logits)
-        wants_logprobs = any(w is not None for w in batch.num_logprobs)
-        raw = logits.float() if wants_logprobs else logits
-        return SamplerOutput(tokens.tolist(), _logprobs(raw, tokens, batch.num_logprobs))
-    logits = logits.float()
+    if filtered or batch.output_counts is not None or not batch.all_greedy:
+        # A plain greedy step skips this copy: its argmax reads the logits as they are
+        # (bf16 values compare as their float32 conversions do).
+        logits = logits.float()
     raw = logits
     if filtered:
         logits = _filter(logits.clone(), batch, ops)
@@ -229,7 +225,7 @@ def _logprobs(
 ) -> list[TokenLogprobs | None]:
     if all(w is None for w in wanted):
         return []
-    logprobs = torch.log_softmax(raw, dim=-1)
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
     sampled: list[float] = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     k = max(w or 0 for w in wanted)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)

@@ -5,8 +5,7 @@ of a batch-1 step, more than its attention. ``worker/csrc/decode_stack.cpp`` run
 very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` over ``PackedLinear``
 projections (the GEMV for the rows it takes where it exists, oneDNN's packed matmul
 otherwise), in the same order with the same arguments, so a step through it is
-bit-identical to one
-through the Python layers; ``QuantLinear`` projections of one block type
+bit-identical to one through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
 native kernels. Qwen3's q/k

@@ -129,7 +129,7 @@ def load_model(
         logger.info(
             "prepacked %d linear layers for oneDNN (bfloat16)%s",
             pack_linears(model, gemv),
-            "; a few rows on the AVX512-BF16 GEMV (AMX past 4 where it fits)" if gemv else "",
+            "; a few rows on the AVX512-BF16 GEMV (AMX from 3 where the tiles fit)" if gemv else "",
         )
     if isinstance(model, DecoderLM) and ops is not None:
         model.fused_decode = DecodeStack.build(model, ops)
