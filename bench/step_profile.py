@@ -1,13 +1,16 @@
 """``python -m bench.step_profile``: where one decode step's time goes at batch 1, 8 and 32,
-beside the weight-bandwidth floor (``bench/floor.py``).
+beside the step's floor (``bench/floor.py``: weights and KV read at the memory's
+bandwidth, or the batch's FLOPs at the matmul rate, whichever is longer).
 
 The real ``EngineCore`` steps the real ``ModelRunner`` in-process (an inline pool: no
 sockets), every sequence with a 128-token context. One step is split into:
 
 - inside the worker's forward and sampling, by ``torch.profiler`` (self CPU time of each
-  op, attributed to the nearest labelled range): *fused layers* (a decode step of 1-4
-  rows runs every layer in one native call, ``worker/models/decode_stack.py``, not split
-  further), matmuls (every linear projection and the LM head), attention (KV write and paged attention), norms, rotary, activation, sampling,
+  op, attributed to the nearest labelled range): *fused layers* (a decode step of as
+  many rows as the GEMV takes, 4 or 32 with AMX, runs every layer in one native call,
+  ``worker/models/decode_stack.py``, not split further), matmuls (every linear projection
+  and the LM head), attention (KV write and paged attention), norms, rotary, activation,
+  sampling,
   other ops (embedding, adds, index/copy), and *Python and dispatch* (the step's time in
   no op at all: model code, metadata building, tensor creation);
 - engine bookkeeping: ``EngineCore.step()`` minus the runner's time in it;
@@ -41,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import worker.model_runner as model_runner_module
 from api_server.detokenizer import IncrementalDetokenizer
-from bench.floor import bandwidth_gb_s, weight_bytes
+from bench.floor import Machine, bandwidth_gb_s, matmul_tflops, model_cost
 from bench.harness import print_table, write_results
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.ipc import Codec
@@ -287,7 +290,7 @@ def api_seconds(setup: Setup, result: ModelRunnerOutput, repeats: int) -> float:
     return median_time(one_step, repeats)
 
 
-def profile_batch(setup: Setup, batch: int, steps: int, floor_s: float) -> dict[str, Any]:
+def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]) -> dict[str, Any]:
     core, pool = setup.decoding_core(batch)
     walls, runners = [], []
     for _ in range(steps):
@@ -310,7 +313,7 @@ def profile_batch(setup: Setup, batch: int, steps: int, floor_s: float) -> dict[
         "batch": batch,
         "step_ms": total * 1e3,
         "worker_ms": runner_s * 1e3,
-        "floor_ms": floor_s * 1e3,
+        "floors_ms": floors,
         "parts_ms": {k: v * 1e3 for k, v in parts.items()},
     }
 
@@ -324,9 +327,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     setup = Setup(args.model, dtype, max(args.batches))
-    floor_s = weight_bytes(args.model, dtype) / (bandwidth_gb_s()["read_gb_s"] * 1e9)
+    machine = Machine(bandwidth_gb_s()["read_gb_s"], matmul_tflops(dtype))
+    cost = model_cost(args.model, dtype)
     with torch.inference_mode():
-        rows = [profile_batch(setup, b, args.steps, floor_s) for b in args.batches]
+        rows = [
+            profile_batch(setup, b, args.steps, cost.floors_ms(machine, b, CONTEXT))
+            for b in args.batches
+        ]
     order = [*PARTS, "engine", "ipc", "api"]
     headers = ["part", *(f"batch {r['batch']}" for r in rows)]
     table = [
@@ -340,10 +347,24 @@ def main(argv: list[str] | None = None) -> None:
         for part in order
     ]
     table.append(["step (sum)", *(f"{r['step_ms']:.1f} ms" for r in rows)])
-    table.append(["weight floor", *(f"{r['floor_ms']:.1f} ms" for r in rows)])
+    floors = [r["floors_ms"] for r in rows]
+    table.append(
+        ["floor: weights + KV read", *(f"{f['weights_ms'] + f['kv_ms']:.1f} ms" for f in floors)]
+    )
+    table.append(["floor: matmul compute", *(f"{f['compute_ms']:.1f} ms" for f in floors)])
+    table.append(
+        ["step / floor", *(f"{r['step_ms'] / r['floors_ms']['floor_ms']:.2f}x" for r in rows)]
+    )
+    print(
+        f"read {machine.read_gb_s:.1f} GB/s, matmul {machine.matmul_tflops:.2f} TFLOP/s, "
+        f"context {CONTEXT}"
+    )
     print_table(headers, table)
     name = f"step_profile-{args.model}-{str(dtype).removeprefix('torch.')}"
-    write_results(name, {"args": vars(args), "context": CONTEXT, "rows": rows})
+    write_results(
+        name,
+        {"args": vars(args), "context": CONTEXT, "machine": vars(machine), "rows": rows},
+    )
 
 
 if __name__ == "__main__":
