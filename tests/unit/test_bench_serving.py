@@ -3,9 +3,12 @@ the closed-loop accounting of one-at-a-time peers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench.peers.transformers_peer import sequential_results
+from bench.serving import yardstick
 from bench.stats import RequestResult, Slo, chunk_text, meets, parse_sse_line, summarize
 from bench.workloads import make_requests
 
@@ -78,3 +81,35 @@ def test_sequential_peer_closed_loop_queueing() -> None:
     assert [r.ttft_s for r in crowd] == [0.5, 1.5, 2.5]  # all sent at once: they queue
     assert [r.e2e_s for r in crowd] == [1.0, 2.0, 3.0]
     assert [r.itls_s for r in crowd] == [[0.5]] * 3
+
+
+def point(system: str, c: int, tok_s: float, itl_p50: float, itl_p95: float) -> dict[str, Any]:
+    summary = {"output_tok_s": tok_s, "itl_s": {"p50": itl_p50, "p95": itl_p95}}
+    return {"system": system, "concurrency": c, "summary": summary, "by_kind": {}}
+
+
+def test_yardstick_states_12s_goals_met_or_not() -> None:
+    points = [
+        point("tandem", 1, 60, 0.015, 0.02),
+        point("llama-server-bf16", 1, 50, 0.020, 0.03),
+        point("tandem-gguf", 1, 90, 0.011, 0.02),
+        point("llama-server", 1, 80, 0.010, 0.02),
+        point("tandem", 8, 300, 0.02, 0.03),
+        point("vllm", 8, 200, 0.03, 0.04),
+        point("tandem", 32, 700, 0.04, 0.056),
+        point("vllm", 32, 500, 0.06, 0.066),
+        point("llama-server", 32, 300, 0.05, 0.050),
+    ]
+    lines = yardstick(points, {"tandem": 2 << 30, "vllm": 3 << 30, "llama-server": 1 << 30})
+    text = "\n".join(lines)
+    assert "c=8: tandem 300.0 tok/s = 1.50x the best peer (vllm, 200.0); goal ahead -> met" in text
+    assert (
+        "c=32: tandem 700.0 tok/s = 1.40x the best peer (vllm, 500.0); goal >= 2x -> NOT met"
+        in text
+    )
+    assert "-> NOT below llama-server" in text  # its ITL p95 (50 ms) is under Tandem's 56
+    assert "c=1: tandem ITL p50 = 0.75x llama-server-bf16's; goal <= 1.0x -> met" in text
+    assert "c=1: tandem-gguf ITL p50 = 1.10x llama-server's; goal <= 1.0x -> NOT met" in text
+    assert "peak RSS: tandem (all processes) = 0.67x vLLM's; goal <= 1x -> met" in text
+    points[-1] = point("llama-server", 32, 300, 0.05, 0.070)
+    assert "-> below every peer" in "\n".join(yardstick(points, {}))
