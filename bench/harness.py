@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from common.process import PARENT_PID_ENV
+
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).parent / "results"
 
@@ -112,7 +114,9 @@ def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
         "warning",
         *flags,
     ]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # The launcher dies with the benchmark if it is killed: no server left running.
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, "tandem serve", 300)

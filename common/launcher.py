@@ -6,7 +6,9 @@ requests 503) and lets in-flight ones finish for ``--shutdown-timeout`` seconds,
 the engine core stops its workers, and the launcher exits 0. A second SIGTERM/Ctrl-C
 stops everything at once. If a child dies on its own, the others get a grace period (to
 answer in-flight and new requests with errors), then are stopped, and the launcher
-exits non-zero with one line naming the process and the cause.
+exits non-zero with one line naming the process and the cause. Started by a supervisor
+that sets ``TANDEM_PARENT_PID`` to its own pid (the test suite, the benchmarks), the
+launcher stops everything at once when that parent dies, as its own children do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from common.process import (
     EXIT_REASON_ENV,
     EXIT_WORKER_DIED,
     PARENT_DIED,
+    die_with_parent,
     small_thread_env,
     start_module,
 )
@@ -48,8 +51,16 @@ class _Stop(Exception):
     pass
 
 
+class _ParentDied(Exception):
+    """Nobody is left to drain for: stop at once."""
+
+
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
+
+
+def _raise_parent_died(signum: int, frame: FrameType | None) -> None:
+    raise _ParentDied
 
 
 class _Hurry:
@@ -118,9 +129,11 @@ def serve(config: TandemConfig) -> int:
         config = config.with_addresses(EngineAddresses.ipc_in(runtime_dir))
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(PARENT_DIED, _raise_parent_died)
     service = Service(runtime_dir)
     hurry = _Hurry()
     try:
+        die_with_parent()
         args = config.to_cli_args()
         service.start("engine_core", "engine_core", args, small_thread_env())
         api_env = small_thread_env()
@@ -147,14 +160,17 @@ def serve(config: TandemConfig) -> int:
                     return _after_death(service, name, proc, config.server.grace_period_s)
             time.sleep(_POLL_S)
     except _Stop as e:
-        signal.signal(signal.SIGINT, hurry)
-        signal.signal(signal.SIGTERM, hurry)
+        for signum in (signal.SIGINT, signal.SIGTERM, PARENT_DIED):
+            signal.signal(signum, hurry)
         logger.info("stopping (%s): draining for up to %.0f s", e, config.server.shutdown_timeout_s)
         _drain(service, config.server.shutdown_timeout_s, hurry)
         return 0
+    except _ParentDied:
+        logger.warning("the process that started tandem serve died: stopping at once")
+        return 1
     finally:
-        signal.signal(signal.SIGINT, hurry)
-        signal.signal(signal.SIGTERM, hurry)
+        for signum in (signal.SIGINT, signal.SIGTERM, PARENT_DIED):
+            signal.signal(signum, hurry)
         _stop_now(proc for _, proc in service.children)
         shutil.rmtree(runtime_dir, ignore_errors=True)
 

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import psutil
 
+from common.process import PARENT_PID_ENV
+
 READY_TIMEOUT_S = 300.0
 
 
@@ -32,7 +34,9 @@ class TandemStack:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.args = ["--port", str(self.port), *args]
-        self.env = {**os.environ, **(env or {})}
+        # The launcher dies with this process (the test run) if it is killed: no server
+        # outlives a killed pytest.
+        self.env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         self.log_path = Path(tempfile.mkstemp(prefix="tandem-stack-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self._descendants: list[psutil.Process] = []

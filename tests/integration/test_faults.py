@@ -90,6 +90,35 @@ def test_a_killed_launcher_takes_every_process_with_it(smollm2_dir: Path) -> Non
     assert time.monotonic() - killed < 5.5
 
 
+def test_a_killed_test_run_takes_its_server_with_it(smollm2_dir: Path) -> None:
+    """The suite's own servers die with it (``TANDEM_PARENT_PID``): a pytest killed by a
+    timeout leaves no launcher, engine, worker or API server running."""
+    repo = Path(__file__).parents[2]
+    starter = (
+        "import time\n"
+        "from tests.stack import TandemStack\n"
+        "stack = TandemStack().start()\n"
+        "print(stack.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", starter], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert run.stdout is not None
+        launcher = psutil.Process(int(run.stdout.readline()))
+        stack = [launcher, *launcher.children(recursive=True)]
+        assert len(stack) == 4  # launcher, engine core, worker, API server
+        run.kill()
+        killed = time.monotonic()
+        _, alive = psutil.wait_procs(stack, timeout=15)
+        assert alive == [], [p.cmdline()[:3] for p in alive]
+        assert time.monotonic() - killed < 15
+    finally:
+        run.kill()
+        run.wait()
+
+
 def broken_model(kind: str, smollm2_dir: Path, tmp_path: Path) -> Path:
     """A model directory with one thing wrong."""
     path = tmp_path / kind
