@@ -34,8 +34,18 @@ def reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window"),
-    # (8, 1, 24): a head size off the 16-lane tiles takes the plain loops
-    [(9, 3, 64, 0), (4, 4, 32, 0), (8, 2, 256, 0), (4, 1, 64, 20), (8, 1, 24, 0), (2, 1, 64, 45)],
+    # (8, 1, 24): a head size off the 16-lane tiles takes the plain loops; values of groups
+    # up to 4 with head sizes of 64k are converted in registers, (4, 4, 32) and the group
+    # of 6 in (12, 2, 128) through the tile
+    [
+        (9, 3, 64, 0),
+        (4, 4, 32, 0),
+        (8, 2, 256, 0),
+        (4, 1, 64, 20),
+        (8, 1, 24, 0),
+        (2, 1, 64, 45),
+        (12, 2, 128, 0),
+    ],
 )
 def test_kernel_matches_reference_and_torch_path(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int

@@ -4,9 +4,11 @@
 //
 // With AVX-512 and a head size that is a multiple of 16 (every model we serve), one task
 // is one (sequence, KV head) pair: its keys and values are read once, 16 tokens at a
-// time, converted to float once into an L1 tile, and serve every query head of the group;
-// the 16 dot products of a tile are reduced together (one transpose-add tree, not 16
-// horizontal sums). Elsewhere one task per sequence runs the plain loops.
+// time, converted to float once, and serve every query head of the group. Keys go through
+// an L1 tile; the 16 dot products of a tile are reduced together (one transpose-add tree,
+// not 16 horizontal sums). Values of groups up to 4 heads (head size a multiple of 64)
+// are converted in registers, every head's accumulators held there across the tile; other
+// groups go through the tile too. Elsewhere one task per sequence runs the plain loops.
 //
 // kv_cache: [2, num_slots, kv_heads, head_dim], contiguous (slot = block * block_size +
 // offset); q: [n, heads, head_dim] contiguous; block_table: [n, max_blocks] int64;
@@ -93,6 +95,35 @@ inline void accumulate_slab(float* acc, const float* weights, const float* tile,
   for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + (c + w) * kLanes, a[w]);
 }
 
+// acc[h][c0 .. c0 + 4 lanes) += sum over the tile's tokens of weights[h][i] * v[i][...]
+// for every head h < G of the group at once: each value vector is converted once and
+// serves G heads, and 4G independent accumulators stay in registers across the tile.
+// Per lane the same fused multiply-adds in the same token order as accumulate_slab.
+template <int G, typename T>
+inline void accumulate_values(const Problem<T>& p, int64_t seq, int64_t g, int64_t t0,
+                              int64_t count, const float* weights, int64_t span, float* acc) {
+  constexpr int W = 4;
+  const int64_t* blocks = p.table + seq * p.max_blocks;
+  for (int64_t c0 = 0; c0 < p.dim; c0 += W * kLanes) {
+    __m512 a[G][W];
+    for (int h = 0; h < G; ++h)
+      for (int w = 0; w < W; ++w) a[h][w] = _mm512_loadu_ps(acc + h * p.dim + c0 + w * kLanes);
+    int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
+    for (int64_t i = 0; i < count; ++i) {
+      const T* src = p.v + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim + c0;
+      __m512 v[W];
+      for (int w = 0; w < W; ++w) v[w] = load_lanes(src + w * kLanes);
+      for (int h = 0; h < G; ++h) {
+        const __m512 weight = _mm512_set1_ps(weights[h * span + i]);
+        for (int w = 0; w < W; ++w) a[h][w] = _mm512_fmadd_ps(weight, v[w], a[h][w]);
+      }
+      if (++offset == p.block_size) offset = 0, ++block;
+    }
+    for (int h = 0; h < G; ++h)
+      for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + h * p.dim + c0 + w * kLanes, a[h][w]);
+  }
+}
+
 // tile[i] := the float rows of tokens t0 + i (i < count) for KV head g, from `cache`.
 // The block is found by one division per tile, then stepped (a division per token
 // costs more than the token's arithmetic).
@@ -159,6 +190,15 @@ void attend_group(const Problem<T>& p, int64_t seq, int64_t g, std::vector<float
   for (int64_t t0 = first; t0 < len; t0 += kTile) {
     const int64_t count = std::min(kTile, len - t0);
     if (t0 + kTile < len) prefetch_tile(p, p.v, seq, g, t0 + kTile, std::min(kTile, len - t0 - kTile));
+    const float* tile_weights = scores.data() + (t0 - first);
+    if (p.dim % (4 * kLanes) == 0 && group <= 4) {
+      switch (group) {
+        case 1: accumulate_values<1>(p, seq, g, t0, count, tile_weights, span, acc.data()); continue;
+        case 2: accumulate_values<2>(p, seq, g, t0, count, tile_weights, span, acc.data()); continue;
+        case 3: accumulate_values<3>(p, seq, g, t0, count, tile_weights, span, acc.data()); continue;
+        case 4: accumulate_values<4>(p, seq, g, t0, count, tile_weights, span, acc.data()); continue;
+      }
+    }
     load_tile(p, p.v, seq, g, t0, count, tile.data());
     for (int64_t h = 0; h < group; ++h) {
       const float* weights = scores.data() + h * span + (t0 - first);
