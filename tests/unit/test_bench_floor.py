@@ -35,7 +35,8 @@ def test_tied_embedding_is_read_once_and_multiplied_as_the_lm_head(tmp_path: Pat
         weight_bytes=2 * params,
         matmul_params=80 + 2 * (64 + 32),
         kv_bytes_per_position=2 * 2 * 2 * 2 * 2,  # layers, K and V, KV heads, dim, bytes
-        attention_flops_per_position=2 * 4 * 4 * 2,  # layers, 2 FLOPs for QK and 2 for PV, heads, dim
+        # layers, 2 FLOPs for QK and 2 for PV, heads, dim
+        attention_flops_per_position=2 * 4 * 4 * 2,
     )
 
 
