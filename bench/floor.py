@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -91,8 +92,8 @@ def model_cost(model: str, dtype: torch.dtype) -> ModelCost:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
                 shapes[name] = list(f.get_slice(name).get_shape())
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    counts = {name: _numel(shape) for name, shape in shapes.items()}
+    itemsize = dtype.itemsize
+    counts = {name: math.prod(shape) for name, shape in shapes.items()}
     untied = any(name.endswith("lm_head.weight") for name in shapes)
     matmul = sum(
         counts[name]
@@ -111,13 +112,6 @@ def model_cost(model: str, dtype: torch.dtype) -> ModelCost:
         kv_bytes_per_position=layers * 2 * kv_heads * head_dim * itemsize,
         attention_flops_per_position=layers * 4 * heads * head_dim,
     )
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,12 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         {
             "model": args.model,
             "dtype": args.dtype,
-            "weight_bytes": cost.weight_bytes,
             "cost": vars(cost),
             "bandwidth": bw,
             "matmul_tflops": tflops,
             "context": args.context,
-            "decode_step_floor_ms": cost.weight_bytes / (bw["read_gb_s"] * 1e9) * 1000,
             "floors_ms": {str(b): f for b, f in floors.items()},
         },
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from common.process import PARENT_PID_ENV
+from common.process import dies_with_this_process
 
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).parent / "results"
@@ -115,8 +115,7 @@ def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
         *flags,
     ]
     # The launcher dies with the benchmark if it is killed: no server left running.
-    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, "tandem serve", 300)

@@ -384,13 +384,16 @@ def yardstick(points: list[dict[str, Any]], peaks: dict[str, int]) -> list[str]:
         )
         if c == top:
             itl = tandem["itl_s"]["p95"]
-            not_beaten = [
+            at_or_below = [
                 s for s, v in peers.items() if itl is None or (v["itl_s"]["p95"] or 0) <= itl
             ]
+            itl_verdict = (
+                f"NOT below {', '.join(at_or_below)}" if at_or_below else "below every peer"
+            )
             line += (
                 f"; ITL p95 {_ms(itl)} ms vs "
                 + ", ".join(f"{s} {_ms(v['itl_s']['p95'])}" for s, v in sorted(peers.items()))
-                + f" -> {'below every peer' if not not_beaten else 'NOT below ' + ', '.join(not_beaten)}"
+                + f" -> {itl_verdict}"
             )
         lines.append(line)
     for other in ("tandem-static", "hf-sequential"):

@@ -47,6 +47,10 @@ _POLL_S = 0.1
 _ENGINE_STOP_S = 15.0  # the engine has nothing left to drain once the API servers are gone
 
 
+# Every signal that stops the launcher; once it is stopping, any of them means hurry.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, PARENT_DIED)
+
+
 class _Stop(Exception):
     pass
 
@@ -160,7 +164,7 @@ def serve(config: TandemConfig) -> int:
                     return _after_death(service, name, proc, config.server.grace_period_s)
             time.sleep(_POLL_S)
     except _Stop as e:
-        for signum in (signal.SIGINT, signal.SIGTERM, PARENT_DIED):
+        for signum in _STOP_SIGNALS:
             signal.signal(signum, hurry)
         logger.info("stopping (%s): draining for up to %.0f s", e, config.server.shutdown_timeout_s)
         _drain(service, config.server.shutdown_timeout_s, hurry)
@@ -169,7 +173,7 @@ def serve(config: TandemConfig) -> int:
         logger.warning("the process that started tandem serve died: stopping at once")
         return 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, PARENT_DIED):
+        for signum in _STOP_SIGNALS:
             signal.signal(signum, hurry)
         _stop_now(proc for _, proc in service.children)
         shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
-PARENT_PID_ENV = "TANDEM_PARENT_PID"  # set by start_module: the pid of the Tandem parent
+PARENT_PID_ENV = "TANDEM_PARENT_PID"  # the pid of the process a Tandem process dies with
 EXIT_REASON_ENV = "TANDEM_EXIT_REASON_FILE"  # where a dying process leaves its one-line cause
 
 # Signals, one meaning each: SIGTERM (and SIGINT) drain then stop, a second one stops at
@@ -43,12 +43,17 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def dies_with_this_process(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this environment) for a child that should stop when this process
+    dies: the child arms ``die_with_parent`` against this pid."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
 def start_module(
     module: str, args: list[str], env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """``python -m module args``: the same command a container would run."""
-    child_env = dict(os.environ if env is None else env)
-    child_env[PARENT_PID_ENV] = str(os.getpid())
+    child_env = dies_with_this_process(env)
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], env=child_env, start_new_session=True
     )

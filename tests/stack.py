@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import psutil
 
-from common.process import PARENT_PID_ENV
+from common.process import dies_with_this_process
 
 READY_TIMEOUT_S = 300.0
 
@@ -36,7 +36,7 @@ class TandemStack:
         self.args = ["--port", str(self.port), *args]
         # The launcher dies with this process (the test run) if it is killed: no server
         # outlives a killed pytest.
-        self.env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        self.env = dies_with_this_process({**os.environ, **(env or {})})
         self.log_path = Path(tempfile.mkstemp(prefix="tandem-stack-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self._descendants: list[psutil.Process] = []
