@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
 from tests.parity.families import VOCAB, build
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.decoder import DecoderLM
@@ -51,6 +52,15 @@ def test_not_in_float32(tmp_path: Path) -> None:
     assert isinstance(model, DecoderLM) and model.fused_decode is None
 
 
+def test_only_over_prepacked_projections(tmp_path: Path) -> None:
+    """Where oneDNN cannot prepack bfloat16, the projections stay ``nn.Linear`` and the
+    layers run one by one."""
+    model = load("llama", tmp_path)
+    assert (model.fused_decode is not None) == ONEDNN_BF16
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == ONEDNN_BF16
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "onednn-only"])
 @pytest.mark.parametrize("family", FUSED)
 def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.cpu import needs_onednn_bf16
 from worker.models.packed_linear import Gemv, PackedLinear
 from worker.native import kernel_arch, load_native_kernels
 from worker.ops import NativeOps, TorchOps
@@ -111,6 +112,7 @@ def test_refuses_what_it_cannot_take() -> None:
         kernels.bf16_gemv(torch.ones(1, 64, dtype=torch.bfloat16), w, bias)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("gemv_rows", [4, 32])
 def test_packed_linear_routes_small_batches_to_the_gemv(gemv_rows: int) -> None:
     calls: list[int] = []

@@ -45,11 +45,15 @@ class Gemv:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """bfloat16 on a CPU whose oneDNN computes in it: packing refuses CPUs without
+    AVX512BW/VL/DQ or AVX-NE-CONVERT (AMD Zen 2/3, Intel before Skylake-SP), where the
+    model keeps ``nn.Linear``."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

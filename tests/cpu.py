@@ -1,0 +1,14 @@
+"""What this CPU can run, for tests of paths that exist only on some CPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# oneDNN prepacks bfloat16 only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere
+# (AMD Zen 2/3, older Intel) it raises, and the loader does not pack
+# (tests/unit/test_packed_linear.py checks that on every CPU).
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+needs_onednn_bf16 = pytest.mark.skipif(
+    not ONEDNN_BF16, reason="this CPU's oneDNN cannot prepack bfloat16 (no AVX512BW/VL/DQ)"
+)
