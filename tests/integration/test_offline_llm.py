@@ -53,3 +53,14 @@ def test_generate_matches_the_server_and_stops_cleanly(
     assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
     with pytest.raises(RuntimeError, match="closed"):
         _ = llm.engine_pid
+
+
+def test_bfloat16_runs_on_every_cpu(smollm2_dir: Path) -> None:
+    """bfloat16 weights start and generate whatever the CPU: where oneDNN cannot prepack
+    them (no AVX512BW/VL/DQ: AMD Zen 2/3) the worker keeps plain linears instead of dying
+    at load."""
+    with LLM(dtype="bfloat16", max_model_len=1024) as llm:
+        result = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0))
+    output = result[0].outputs[0]
+    assert len(output.token_ids) == 8 and output.finish_reason == "length"
+    assert output.text.startswith(" Paris")
