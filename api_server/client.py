@@ -4,7 +4,8 @@ One reader task receives everything the engine sends this process and fans reque
 outputs out to per-request queues; heartbeats keep ``ready``, ``stats`` and ``model``
 fresh. All sends go through one sender task, so ``abort_nowait`` is safe to call from
 any ``finally`` (a cancelled stream included). The engine counts as dead after an
-``EngineDead`` message or when no heartbeat came for ``DEAD_AFTER_S``.
+``EngineDead`` message or when no heartbeat came for ``DEAD_AFTER_S`` of this process's
+own running time (see ``_watchdog``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 
@@ -44,6 +44,7 @@ from common.messages import (
 logger = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 1.0
+WATCHDOG_TICKS = 5  # DEAD_AFTER_S is this many of the watchdog's sleeps
 
 
 class EngineClient:
@@ -66,7 +67,7 @@ class EngineClient:
         self.pools: dict[str, SchedulerStats] = {}  # split pools: each pool's figures
         self.kv_transfers: KVTransferStats | None = None
         self.dead_reason: str | None = None
-        self._last_heartbeat: float | None = None
+        self._num_heartbeats = 0
         self.num_malformed_frames = 0
 
     async def start(self) -> None:
@@ -101,7 +102,7 @@ class EngineClient:
     @property
     def heard_from_engine(self) -> bool:
         """Whether any heartbeat has arrived (the engine answers, ready or not)."""
-        return self._last_heartbeat is not None
+        return self._num_heartbeats > 0
 
     @property
     def is_dead(self) -> bool:
@@ -214,7 +215,7 @@ class EngineClient:
                     if target is not None:
                         target.put_nowait(out)
             elif isinstance(message, EngineHeartbeat):
-                self._last_heartbeat = time.monotonic()
+                self._num_heartbeats += 1
                 self.ready = message.ready
                 self.stats = message.stats
                 self.model = message.model or self.model
@@ -225,10 +226,21 @@ class EngineClient:
                 self._mark_dead(f"engine core is down: {message.reason}")
 
     async def _watchdog(self) -> None:
+        """Silence is counted in this task's own sleeps, not read off the clock. When this
+        process does not run for a while (the machine paused: a VM's stolen time, memory
+        reclaim, SIGSTOP), the engine did not run either, and its next heartbeat is still
+        on its way; read off the clock, the pause looked like a dead engine and every
+        service on the machine stopped itself at once. A pause costs one sleep here."""
+        seen = self._num_heartbeats
+        silent_ticks = 0
         while self.dead_reason is None:
-            await asyncio.sleep(DEAD_AFTER_S / 5)
-            last = self._last_heartbeat
-            if last is not None and time.monotonic() - last > DEAD_AFTER_S:
+            await asyncio.sleep(DEAD_AFTER_S / WATCHDOG_TICKS)
+            if self._num_heartbeats != seen or seen == 0:  # heard, or not yet connected
+                seen = self._num_heartbeats
+                silent_ticks = 0
+                continue
+            silent_ticks += 1
+            if silent_ticks >= WATCHDOG_TICKS:
                 self._mark_dead(
                     f"engine core stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s)"
                 )

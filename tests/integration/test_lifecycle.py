@@ -16,7 +16,7 @@ import pytest
 
 from common.config import EngineAddresses
 from common.ipc import make_runtime_dir
-from tests.stack import TandemStack, free_port
+from tests.stack import TandemStack, completion, free_port
 
 MODEL = "smollm2-135m-instruct"
 
@@ -87,6 +87,26 @@ def test_a_dying_process_fails_requests_and_stops_the_service(
     assert "tandem: " in log and expected in log.split("tandem: ")[-1]
     _, alive = psutil.wait_procs(survivors, timeout=10)
     assert alive == []
+
+
+def test_a_paused_service_is_not_taken_for_a_dead_one(smollm2_dir: Path) -> None:
+    """Every process stopped at once and resumed (as a paused VM, or memory reclaim on a
+    busy host, stops them) serves on: the API server does not count the pause as an
+    engine that stopped answering."""
+    with TandemStack() as stack:
+        assert stack.proc is not None
+        paused = [psutil.Process(stack.proc.pid), *stack.descendants()]
+        for p in paused:
+            p.suspend()
+        time.sleep(2.5)  # over twice the second an engine may stay silent
+        for p in paused:
+            p.resume()
+        time.sleep(1.0)  # the watchdog's five sleeps after the pause
+        out = completion(stack.url, "The capital of France is", max_tokens=4, temperature=0)
+        assert "Paris" in out["choices"][0]["text"]
+        assert httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
+        assert "stopped answering" not in stack.log()
+        assert stack.proc.poll() is None
 
 
 def test_api_server_alone_reports_loading_until_an_engine_comes(smollm2_dir: Path) -> None:
