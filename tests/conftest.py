@@ -32,3 +32,13 @@ def server(smollm2_dir: Path) -> Iterator[TandemStack]:
     """One float32 stack shared by the tests that only send requests."""
     with TandemStack("--dtype", "float32", "--max-num-seqs", "32") as stack:
         yield stack
+
+
+@pytest.fixture(autouse=True)
+def _shared_server_up(request: pytest.FixtureRequest) -> None:
+    """A test of the shared stack that finds it gone fails saying why (its exit code and
+    log), rather than with a bare connection error like every test after it."""
+    if "server" in request.fixturenames:
+        report = request.getfixturevalue("server").down_report()
+        if report is not None:
+            pytest.fail(f"the shared server is down: {report}", pytrace=False)

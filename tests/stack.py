@@ -20,6 +20,7 @@ import psutil
 from common.process import dies_with_this_process
 
 READY_TIMEOUT_S = 300.0
+LOG_TAIL_LINES = 40
 
 
 def free_port() -> int:
@@ -105,6 +106,14 @@ class TandemStack:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def down_report(self) -> str | None:
+        """None while the launcher runs; once it has exited, its code and the end of its
+        log, for a test that finds the stack gone without having stopped it."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        tail = "\n".join(self.log().splitlines()[-LOG_TAIL_LINES:])
+        return f"tandem exited with {self.proc.returncode}; the end of its log:\n{tail}"
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         """Signal the launcher, wait for it, and check that every process it started is
         gone. Returns the launcher's exit code."""
@@ -129,6 +138,8 @@ class TandemStack:
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
+        elif (report := self.down_report()) is not None:
+            print(report)  # shown beside the failure a stack that died early causes
         self.log_path.unlink(missing_ok=True)
 
 
