@@ -5,7 +5,7 @@ outputs out to per-request queues; heartbeats keep ``ready``, ``stats`` and ``mo
 fresh. All sends go through one sender task, so ``abort_nowait`` is safe to call from
 any ``finally`` (a cancelled stream included). The engine counts as dead after an
 ``EngineDead`` message or when no heartbeat came for ``DEAD_AFTER_S`` of this process's
-own running time (see ``_watchdog``).
+own running time (``common.silence``: a pause of the whole machine is not a death).
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from common.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
+from common.silence import Silence
 
 logger = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 1.0
-WATCHDOG_TICKS = 5  # DEAD_AFTER_S is this many of the watchdog's sleeps
+WATCHDOG_INTERVAL_S = 0.2
 
 
 class EngineClient:
@@ -67,7 +68,7 @@ class EngineClient:
         self.pools: dict[str, SchedulerStats] = {}  # split pools: each pool's figures
         self.kv_transfers: KVTransferStats | None = None
         self.dead_reason: str | None = None
-        self._num_heartbeats = 0
+        self._silence = Silence(max_gap_s=WATCHDOG_INTERVAL_S)
         self.num_malformed_frames = 0
 
     async def start(self) -> None:
@@ -102,7 +103,7 @@ class EngineClient:
     @property
     def heard_from_engine(self) -> bool:
         """Whether any heartbeat has arrived (the engine answers, ready or not)."""
-        return self._num_heartbeats > 0
+        return self._silence.ever_heard
 
     @property
     def is_dead(self) -> bool:
@@ -215,7 +216,7 @@ class EngineClient:
                     if target is not None:
                         target.put_nowait(out)
             elif isinstance(message, EngineHeartbeat):
-                self._num_heartbeats += 1
+                self._silence.heard()
                 self.ready = message.ready
                 self.stats = message.stats
                 self.model = message.model or self.model
@@ -226,21 +227,9 @@ class EngineClient:
                 self._mark_dead(f"engine core is down: {message.reason}")
 
     async def _watchdog(self) -> None:
-        """Silence is counted in this task's own sleeps, not read off the clock. When this
-        process does not run for a while (the machine paused: a VM's stolen time, memory
-        reclaim, SIGSTOP), the engine did not run either, and its next heartbeat is still
-        on its way; read off the clock, the pause looked like a dead engine and every
-        service on the machine stopped itself at once. A pause costs one sleep here."""
-        seen = self._num_heartbeats
-        silent_ticks = 0
         while self.dead_reason is None:
-            await asyncio.sleep(DEAD_AFTER_S / WATCHDOG_TICKS)
-            if self._num_heartbeats != seen or seen == 0:  # heard, or not yet connected
-                seen = self._num_heartbeats
-                silent_ticks = 0
-                continue
-            silent_ticks += 1
-            if silent_ticks >= WATCHDOG_TICKS:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._silence.look() >= DEAD_AFTER_S:
                 self._mark_dead(
                     f"engine core stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s)"
                 )

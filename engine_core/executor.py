@@ -10,7 +10,9 @@ KV transfers that landed (``KVTransferStatus``).
 Workers are started by the pool (``python -m worker --pool P --rank R --worker-address
 A``, the same command a container runs) or, with ``--external-workers``, started apart
 and found when they connect. A dead worker raises ``WorkerDied`` naming it: noticed by
-its process exiting, or (external) by its heartbeat stopping for ``HEARTBEAT_TIMEOUT_S``.
+its process exiting, or (external) by its heartbeat stopping for ``HEARTBEAT_TIMEOUT_S`` of
+the engine's own running time (``common.silence``: a pause of the whole machine is not a
+death).
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ from common.messages import (
     WorkerReady,
 )
 from common.process import start_module, stop_process, worker_env
+from common.silence import Silence
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 3.0
+# At most this much of the time between two liveness checks counts as a worker's silence
+# (the worker's heartbeat interval): the checks come every POLL_S or sooner while the
+# engine runs, so a longer gap is this process not running.
+MAX_SILENCE_GAP_S = 0.5
 
 
 class WorkerDied(RuntimeError):
@@ -84,7 +91,7 @@ class WorkerPool:
         self._identities = [f"worker-{rank}".encode() for rank in range(num_workers)]
         self._procs: dict[bytes, subprocess.Popen[bytes]] = {}
         self._external = config.disagg.external_workers
-        self._heard: dict[int, float] = {}
+        self._silences: dict[int, Silence] = {}  # external workers', by rank
         self._results: dict[bytes, ModelRunnerOutput] = {}
         self._in_flight: SchedulerOutput | None = None
         # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here.
@@ -192,9 +199,8 @@ class WorkerPool:
                     f"{self._who(identity)} (pid {proc.pid}) died: {_describe_exit(code)}"
                 )
         if self._external:
-            now = time.monotonic()
-            for rank, last in self._heard.items():
-                if now - last > HEARTBEAT_TIMEOUT_S:
+            for rank, silence in self._silences.items():
+                if silence.look() > HEARTBEAT_TIMEOUT_S:
                     raise WorkerDied(
                         f"{self.name} worker-{rank} stopped answering (no heartbeat for "
                         f"{HEARTBEAT_TIMEOUT_S:.0f} s)"
@@ -210,7 +216,7 @@ class WorkerPool:
         identity, frame = self._sock.recv_multipart()
         message = self._codec.decode(frame)
         if isinstance(message, WorkerHeartbeat):
-            self._heard[message.rank] = time.monotonic()
+            self._silences.setdefault(message.rank, Silence(MAX_SILENCE_GAP_S)).heard()
         if isinstance(message, WorkerFailed):
             # A rank that died mid-collective breaks its peers' step: name the dead one.
             self.check_alive()
