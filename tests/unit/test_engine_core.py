@@ -20,15 +20,8 @@ from common.messages import (
     SamplingParams,
 )
 from engine_core.core import EngineCore
+from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool, token_for
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(
@@ -40,7 +33,7 @@ def make(
     max_num_seqs: int = 8,
     min_prompt: int = 0,
     **pool_options: int,
-) -> tuple[EngineCore, FakePool, FakePool, Clock]:
+) -> tuple[EngineCore, FakePool, FakePool, ManualClock]:
     config = TandemConfig(
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=16),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
@@ -60,7 +53,7 @@ def make(
         pool_options.get("decode_polls", 1),
         pool_options.get("land_polls", 1),
     )
-    clock = Clock()
+    clock = ManualClock(1000.0)
     core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)
     core.start()
     return core, prefill, decode, clock

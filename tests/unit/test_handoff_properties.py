@@ -13,15 +13,8 @@ from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConf
 from common.messages import EngineRequest, PoolRole, RequestOutput, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.kv_cache import KVCacheManager
+from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def check_blocks(kv: KVCacheManager) -> None:
@@ -58,7 +51,7 @@ def test_random_traffic_over_two_pools(data: st.DataObject) -> None:
         data.draw(st.integers(1, 3)),
         data.draw(st.integers(1, 6), label="land_polls"),
     )
-    clock = Clock()
+    clock = ManualClock()
     core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)
     core.start()
     ends: Counter[str] = Counter()

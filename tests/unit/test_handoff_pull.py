@@ -9,9 +9,9 @@ from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConf
 from common.messages import FinishReason, KVReceive, KVTransferResult, PoolRole
 from engine_core.core import EngineCore
 from engine_core.handoff_pull import ShmCopyHandoff
+from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool
 from tests.unit.test_engine_core import (
-    Clock,
     Outputs,
     assert_all_free,
     expected_tokens,
@@ -40,7 +40,7 @@ def make(
     )
     prefill = FakePool(PoolRole.PREFILL, 16)
     decode = FakePool(PoolRole.DECODE, 16, decode_polls, land_polls)
-    core = EngineCore(config, {"prefill": prefill, "decode": decode}, Clock())
+    core = EngineCore(config, {"prefill": prefill, "decode": decode}, ManualClock(1000.0))
     core.start()
     return core, prefill, decode
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from api_server.rate_limit import RateLimited, RateLimiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.clock import ManualClock
 
 
 def test_requests_per_minute_slide() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     limiter = RateLimiter(requests_per_minute=3, clock=clock)
     for dt in (0, 10, 20):
         clock.now += dt
@@ -33,7 +26,7 @@ def test_requests_per_minute_slide() -> None:
 
 
 def test_refused_requests_are_not_counted() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     limiter = RateLimiter(requests_per_minute=1, clock=clock)
     limiter.admit("a")
     for _ in range(5):
@@ -45,7 +38,7 @@ def test_refused_requests_are_not_counted() -> None:
 
 
 def test_tokens_per_minute() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     limiter = RateLimiter(tokens_per_minute=100, clock=clock)
     limiter.admit("a")
     limiter.charge("a", 60)
@@ -64,7 +57,7 @@ def test_tokens_per_minute() -> None:
 
 
 def test_zero_disables_and_idle_callers_are_forgotten() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     unlimited = RateLimiter(clock=clock)
     for _ in range(1000):
         unlimited.admit("a")

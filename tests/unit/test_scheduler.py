@@ -12,16 +12,9 @@ from common.messages import (
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
+from tests.unit.clock import ManualClock
 
 EOS = 2
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_scheduler(
@@ -31,14 +24,14 @@ def make_scheduler(
     budget: int = 32,
     max_model_len: int = 256,
     prefix_caching: bool = True,
-    clock: Clock | None = None,
+    clock: ManualClock | None = None,
     **config: object,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **config),  # type: ignore[arg-type]
         KVCacheManager(num_blocks, block_size, prefix_caching),
         ModelInfo(max_model_len=max_model_len, vocab_size=100, eos_token_ids=[EOS]),
-        clock=clock or Clock(),
+        clock=clock or ManualClock(),
     )
 
 
@@ -229,7 +222,7 @@ def test_first_output_reports_cached_prompt_tokens() -> None:
 
 
 def test_priority_policy_orders_waiting_and_ages() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make_scheduler(
         max_num_seqs=1, scheduling_policy="priority", priority_aging_s=10.0, clock=clock
     )
@@ -258,7 +251,7 @@ def test_preemption_victim_is_least_urgent_then_latest() -> None:
 
 
 def test_static_batching_waits_then_admits_nothing_until_done() -> None:
-    clock = Clock()
+    clock = ManualClock()
     s = make_scheduler(max_num_seqs=4, batching="static", batch_wait_timeout_s=0.5, clock=clock)
     s.add_request(req("a", 4, max_tokens=3))
     out = s.schedule()

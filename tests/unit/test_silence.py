@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from common.silence import Silence
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.clock import ManualClock
 
 
 def test_counts_nothing_before_the_peer_is_first_heard() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     silence = Silence(max_gap_s=0.2, clock=clock)
     clock.now += 60.0
     assert silence.look() == 0.0
@@ -24,7 +17,7 @@ def test_counts_nothing_before_the_peer_is_first_heard() -> None:
 
 
 def test_looks_at_the_polling_interval_add_up_to_the_wall_time() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     silence = Silence(max_gap_s=0.2, clock=clock)
     silence.heard()
     for _ in range(5):
@@ -35,7 +28,7 @@ def test_looks_at_the_polling_interval_add_up_to_the_wall_time() -> None:
 
 
 def test_a_pause_between_two_looks_counts_as_one_gap() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     silence = Silence(max_gap_s=0.2, clock=clock)
     silence.heard()
     clock.now += 0.1
@@ -45,7 +38,7 @@ def test_a_pause_between_two_looks_counts_as_one_gap() -> None:
 
 
 def test_hearing_the_peer_starts_the_count_again() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     silence = Silence(max_gap_s=0.5, clock=clock)
     silence.heard()
     clock.now += 0.4
