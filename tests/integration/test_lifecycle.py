@@ -101,7 +101,7 @@ def test_a_paused_service_is_not_taken_for_a_dead_one(smollm2_dir: Path) -> None
         time.sleep(2.5)  # over twice the second an engine may stay silent
         for p in paused:
             p.resume()
-        time.sleep(1.0)  # the watchdog's five sleeps after the pause
+        time.sleep(1.0)  # a second of looks by the watchdog after the pause
         out = completion(stack.url, "The capital of France is", max_tokens=4, temperature=0)
         assert "Paris" in out["choices"][0]["text"]
         assert httpx.get(f"{stack.url}/health", timeout=5).status_code == 200
