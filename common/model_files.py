@@ -7,6 +7,7 @@ The API server needs the tokenizer and the workers need the weights, so both cal
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib
@@ -16,9 +17,10 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,7 @@ def find_embedded_gguf(model: EmbeddedModel, workdir: Path | None = None) -> Pat
             )
         target = (workdir or cache_root() / "gguf") / model.gguf_filename
         if not target.is_file():
-            package = importlib.import_module(model.package)
-            package.assemble(target)
+            _assemble_once(importlib.import_module(model.package), target)
         return target
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
@@ -88,6 +89,31 @@ def find_embedded_gguf(model: EmbeddedModel, workdir: Path | None = None) -> Pat
         if path.is_file():
             return path
     raise ValueError(f"{model.gguf_filename} not found in the installed {model.package} package")
+
+
+def _assemble_once(package: Any, target: Path) -> None:
+    """Join a GGUF's parts into ``target`` once. The package writes its output in place,
+    so it writes a staging file under a lock and the whole file is renamed into view:
+    workers of a pool start together and would otherwise read each other's half-written
+    file (or write it twice at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / f".{target.name}.lock"):
+        if target.is_file():
+            return
+        staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            package.assemble(staging, overwrite=True)
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (processes of one cache take turns)."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 # GGUF ``general.architecture`` -> the Hugging Face class our registry serves it as.
@@ -192,9 +218,7 @@ def _convert_once(
     if (target / _COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
+    with _exclusive(target.parent / f".{name}.lock"):  # another may be converting now
         if (target / _COMPLETE_MARKER).is_file():
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
