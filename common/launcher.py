@@ -13,6 +13,7 @@ launcher stops everything at once when that parent dies, as its own children do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -44,6 +45,8 @@ _EXIT_MEANING = {
     EXIT_ENGINE_DIED: "it lost the engine core",
 }
 _POLL_S = 0.1
+# An engine core ending on its own waits up to 5 s for its workers (engine_core.executor).
+_CAUSE_WAIT_S = 6.0
 _ENGINE_STOP_S = 15.0  # the engine has nothing left to drain once the API servers are gone
 
 
@@ -106,6 +109,24 @@ class Service:
     def named(self, prefix: str) -> list[subprocess.Popen[bytes]]:
         return [proc for name, proc in self.children if name.startswith(prefix)]
 
+    def cause(
+        self, name: str, proc: subprocess.Popen[bytes]
+    ) -> tuple[str, subprocess.Popen[bytes]]:
+        """The child whose end explains the service's, given the first one found ended.
+        An API server that lost the engine core ended because the engine core is ending
+        (its workers failed, say), and may be found first while the engine core still
+        waits for its workers: the engine core holds the reason, so it is given the time
+        its own shutdown takes."""
+        if proc.returncode != EXIT_ENGINE_DIED:
+            return name, proc
+        for engine_name, engine in self.children:
+            if engine_name == "engine_core":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    engine.wait(_CAUSE_WAIT_S)
+                if engine.returncode is not None:
+                    return engine_name, engine
+        return name, proc
+
     def describe(self, name: str, proc: subprocess.Popen[bytes]) -> str:
         code = proc.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -161,6 +182,7 @@ def serve(config: TandemConfig) -> int:
         while True:
             for name, proc in service.children:
                 if proc.poll() is not None:
+                    name, proc = service.cause(name, proc)
                     return _after_death(service, name, proc, config.server.grace_period_s)
             time.sleep(_POLL_S)
     except _Stop as e:
