@@ -137,6 +137,12 @@ def split(
         "--disagg-min-prompt-tokens",
         "200" if conditional else "0",
     ]
+    if prefill_tp == decode_tp == 1:
+        # Both workers take both cores (default: one each), as the unified reference does:
+        # the prefill pool does most of this work, and a worker whose cores are taken
+        # gives a thread up (ThreadGovernor). ~30% off each run here; the outputs do not
+        # depend on thread counts.
+        flags += ["--worker-threads", "2"]
     with TandemStack(*flags) as stack:
         outputs = run_all(stack, reference.model, reference.prompts)
         # every request ends its hand-off one way or the other before it answers
@@ -168,18 +174,6 @@ def test_split_pools_match_the_unified_pool(
         assert stats["kv_transfers"]["bytes"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kv_transfer", "conditional"),
-    [("shm", False), ("tcp", True)],
-    ids=["shm", "tcp-conditional"],
-)
-def test_split_pools_match_the_unified_pool_more(
-    smollm2: Reference, kv_transfer: str, conditional: bool
-) -> None:
-    split(smollm2, kv_transfer, conditional)
-
-
 # Gemma's own concern is its sliding-window layers' KV crossing pools: one run per
 # transport (SmolLM2 covers every transport x conditional combination).
 @pytest.mark.slow
@@ -206,15 +200,17 @@ def test_split_pools_of_different_widths_match_the_unified_pool(
     assert stats["kv_transfers"]["bytes"] > 0  # copied (shm too: the layouts differ)
 
 
+# The transport x conditional combinations SmolLM2 does not run at equal widths above
+# (shm without it, tcp with it) ride on these: one configuration per stack start-up.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_transfer", "prefill_tp", "decode_tp"),
-    [("shm", 1, 2), ("tcp", 2, 1), ("shm", 2, 2)],
-    ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1", "shm-tp2-to-tp2"],
+    ("kv_transfer", "prefill_tp", "decode_tp", "conditional"),
+    [("shm", 1, 2, False), ("tcp", 2, 1, True), ("shm", 2, 2, False)],
+    ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1-conditional", "shm-tp2-to-tp2"],
 )
 def test_split_pools_of_different_widths_match_the_unified_pool_more(
-    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int
+    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int, conditional: bool
 ) -> None:
-    stats = split(smollm2, kv_transfer, False, prefill_tp, decode_tp)
+    stats = split(smollm2, kv_transfer, conditional, prefill_tp, decode_tp)
     copied = prefill_tp != decode_tp or kv_transfer == "tcp"
     assert (stats["kv_transfers"]["bytes"] > 0) == copied
