@@ -10,6 +10,9 @@ Systems (each skipped with a printed reason when unavailable):
   tandem    LLM(model, dtype=...) in this process (its engine and worker are children)
             without its prefix cache (each point reruns the same prompts; OpenVINO's
             is off by default too)
+  tandem-async
+            the same with --async-scheduling: each step planned while the worker runs
+            the last
   tandem-fixed-threads
             the same with --no-adaptive-worker-threads: the worker keeps every core's
             thread even while another process holds one (compare with --busy-cores)
@@ -63,6 +66,7 @@ def run_tandem(
     concurrency: list[int],
     dtype: str,
     adaptive_threads: bool = True,
+    async_scheduling: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every concurrency point on one ``LLM``; and the peak RSS of its engine and worker."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -71,6 +75,7 @@ def run_tandem(
         "dtype": dtype,
         "enable_prefix_caching": False,
         "adaptive_worker_threads": adaptive_threads,
+        "async_scheduling": async_scheduling,
         "log_level": "warning",
     }
     with LLM(MODEL, **options) as llm, PeakRss(llm.engine_pid) as peak:
@@ -112,9 +117,10 @@ class Engine(Protocol):
 
 
 class TandemEngine:
-    def __init__(self, name: str, adaptive_threads: bool) -> None:
+    def __init__(self, name: str, adaptive_threads: bool, async_scheduling: bool = False) -> None:
         self.name = name
         self.adaptive_threads = adaptive_threads
+        self.async_scheduling = async_scheduling
 
     def missing(self) -> str | None:
         return None
@@ -123,7 +129,12 @@ class TandemEngine:
         self, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
     ) -> dict[str, Any]:
         points, rss = run_tandem(
-            prompts, max_tokens, args.concurrency, args.dtype, self.adaptive_threads
+            prompts,
+            max_tokens,
+            args.concurrency,
+            args.dtype,
+            self.adaptive_threads,
+            self.async_scheduling,
         )
         return {"points": points, "peak_rss_bytes": rss}
 
@@ -148,6 +159,7 @@ ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         TandemEngine("tandem", adaptive_threads=True),
+        TandemEngine("tandem-async", adaptive_threads=True, async_scheduling=True),
         TandemEngine("tandem-fixed-threads", adaptive_threads=False),
         OpenVinoEngine(),
     )

@@ -147,6 +147,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=d.scheduler.max_waiting_requests,
         help="queued requests beyond this are refused with 503 (default: %(default)s)",
     )
+    s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.scheduler.async_scheduling,
+        help="schedule the next step while the worker runs this one, so it never waits for "
+        "the engine; one unified pool without tensor parallelism (default: off)",
+    )
     h = parser.add_argument_group("server")
     h.add_argument(
         "--host", default=d.server.host, help="address the HTTP server binds (default: %(default)s)"

@@ -113,6 +113,9 @@ class SchedulerConfig:
     batching: Batching = "continuous"
     batch_wait_timeout_s: float = 0.05
     max_waiting_requests: int = 1024
+    # Schedule step N+1 while the workers run step N (vLLM's --async-scheduling), so a
+    # worker finds its next step waiting when it finishes one. Unified pool, TP 1.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -389,6 +392,12 @@ class TandemConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            not self.scheduler.async_scheduling
+            or (not self.disagg.split and self.disagg.tensor_parallel_size == 1),
+            "--async-scheduling needs one unified pool of one worker: leave out "
+            "--prefill-workers/--decode-workers and --tensor-parallel-size",
+        )
         # The pools' and the KV hand-off's sockets carry prompts and KV: the same rule as
         # the engine's own sockets (and the same keys encrypt them).
         d = self.disagg

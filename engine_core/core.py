@@ -5,7 +5,9 @@ KV managers (one shared by both pools with ``--kv-transfer shm``, one each with 
 the hand-offs between pools (``handoff.py``) and the router that picks a pool for each
 new prompt (``router.py``). ``step()`` is submit-then-poll: every idle pool gets its next
 batch, then every pool is polled without waiting, so each keeps a batch in flight and a
-long prefill step never holds back the decode pool's steps. Tests drive it in-process
+long prefill step never holds back the decode pool's steps. With ``--async-scheduling``
+a pool holds two: the next step is scheduled and sent while the workers run the last, so
+they start it the moment they finish. Tests drive it in-process
 with fake pools; ``proc.py`` runs it behind the engine's sockets.
 
     outputs = core.step()        # submit to idle pools, poll all, hand off, route outputs
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -66,15 +69,22 @@ class Pool(Protocol):
 
 @dataclass
 class Slot:
-    """A pool with its scheduler and the step it is running."""
+    """A pool with its scheduler and the steps it is running, oldest first: at most
+    ``depth`` (2 with async scheduling: one running, the next waiting at the workers)."""
 
     pool: Pool
     scheduler: Scheduler
-    in_flight: SchedulerOutput | None = None
+    depth: int = 1
+    in_flight: deque[SchedulerOutput] = field(default_factory=deque)
 
     @property
     def name(self) -> str:
         return str(self.pool.role)
+
+    def can_submit(self) -> bool:
+        if not self.in_flight:
+            return True
+        return len(self.in_flight) < self.depth and self.scheduler.can_schedule_ahead
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,9 @@ class EngineCore:
         if not self.split:
             kv = KVCacheManager(first.num_kv_blocks, first.block_size, caching)
             self.slots["unified"] = Slot(
-                self.pools["unified"], Scheduler(config, kv, first.model, self._clock)
+                self.pools["unified"],
+                Scheduler(config, kv, first.model, self._clock),
+                depth=2 if config.async_scheduling else 1,
             )
             return
         disagg = self.config.disagg
@@ -232,19 +244,20 @@ class EngineCore:
 
     def has_work(self) -> bool:
         busy = any(
-            slot.in_flight is not None or slot.scheduler.has_work() for slot in self.slots.values()
+            bool(slot.in_flight) or slot.scheduler.has_work() for slot in self.slots.values()
         )
         between = self.handoff is not None and (self.handoff.in_flight or self.handoff.has_orders())
         return busy or bool(between)
 
     def step(self) -> StepResult:
-        """Submit each idle pool's next batch, then poll every pool without waiting."""
+        """Submit each pool's next batch if it has room, then poll every pool without
+        waiting."""
         out: ClientOutputs = {}
         progressed = False
         if self.handoff is not None:
             merge(out, self.handoff.tick())
         for slot in self.slots.values():
-            if slot.in_flight is None:
+            if slot.can_submit():
                 progressed |= self._submit(slot)
         for slot in self.slots.values():
             events = slot.pool.poll()
@@ -268,12 +281,13 @@ class EngineCore:
         elif not work.num_scheduled_tokens and not work.finished_request_ids:
             return False  # nothing could run (a static batch still forming)
         slot.pool.submit(work)
-        slot.in_flight = work
+        slot.in_flight.append(work)
         return True
 
     def _finish_step(self, slot: Slot, events: PoolEvents) -> ClientOutputs:
-        assert events.result is not None and slot.in_flight is not None
-        work, slot.in_flight = slot.in_flight, None
+        assert events.result is not None
+        work = slot.in_flight.popleft()
+        assert events.result.step_id == work.step_id, "a pool answers its steps in order"
         out = slot.scheduler.update_from_output(work, events.result)
         if self.handoff is not None:
             merge(out, self.handoff.on_step_done(slot.name, events.result))
@@ -313,7 +327,7 @@ class EngineCore:
             return next(iter(per_pool.values()))
         stats = list(per_pool.values())
         total = SchedulerStats()
-        for field in (
+        for name in (
             "num_running",
             "num_waiting",
             "num_tokens_scheduled",
@@ -323,7 +337,7 @@ class EngineCore:
             "num_prompt_tokens_total",
             "iteration_tokens_sum",
         ):
-            setattr(total, field, sum(getattr(s, field) for s in stats))
+            setattr(total, name, sum(getattr(s, name) for s in stats))
         total.iteration_tokens_buckets = [
             sum(c) for c in zip(*(s.iteration_tokens_buckets for s in stats), strict=True)
         ]

@@ -3,8 +3,9 @@
 A ``WorkerPool`` binds one ROUTER socket; its worker ``r`` connects with identity
 ``worker-<r>`` (and, from a thread beside its step loop, ``heartbeat-<r>``). The engine
 ``submit``s a step to every worker of the pool and ``poll``s without blocking; rank 0's
-answer is the step's result once every rank has answered, so a pool keeps one batch in
-flight and never makes the engine wait for it. Between steps a decode worker may report
+answer is the step's result once every rank has answered, so a pool keeps a batch in
+flight and never makes the engine wait for it. With async scheduling it keeps two: the
+second waits in the workers' sockets, and they answer in order. Between steps a decode worker may report
 KV transfers that landed (``KVTransferStatus``).
 
 Workers are started by the pool (``python -m worker --pool P --rank R --worker-address
@@ -21,6 +22,7 @@ import contextlib
 import logging
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -92,8 +94,10 @@ class WorkerPool:
         self._procs: dict[bytes, subprocess.Popen[bytes]] = {}
         self._external = config.disagg.external_workers
         self._silences: dict[int, Silence] = {}  # external workers', by rank
-        self._results: dict[bytes, ModelRunnerOutput] = {}
-        self._in_flight: SchedulerOutput | None = None
+        # Steps sent and not yet answered by every rank, oldest first; their answers.
+        self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._results: dict[int, dict[bytes, ModelRunnerOutput]] = {}
         # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here.
         self._tensor_parallel = config.disagg.tp_size(self.name) > 1
         self.kv_addresses: list[str] = []  # per rank, where a decode worker takes KV (tcp)
@@ -129,7 +133,7 @@ class WorkerPool:
 
     @property
     def busy(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     def wait_ready(self) -> WorkerReady:
         """Block until every worker has loaded and warmed up; returns the handshake of
@@ -154,41 +158,45 @@ class WorkerPool:
 
     def submit(self, step: SchedulerOutput) -> None:
         """Send the step to every worker; its result comes from ``poll``."""
-        if self._in_flight is not None:
+        if len(self._in_flight) >= self._max_in_flight:
             raise RuntimeError(
-                f"pool {self.name} already has step {self._in_flight.step_id} in flight"
+                f"pool {self.name} already has {len(self._in_flight)} step(s) in flight"
             )
         if self._tensor_parallel:
             step = msgspec.structs.replace(step, prev_sampled=self._last_sampled)
         frame = self._codec.encode(step)
         for identity in self._identities:
             self._sock.send_multipart([identity, frame])
-        self._in_flight = step
-        self._results.clear()
+        self._in_flight.append(step)
+        self._results[step.step_id] = {}
 
     def poll(self) -> PoolEvents:
-        """Everything the workers sent since the last poll, without waiting."""
+        """Everything the workers sent since the last poll, without waiting; the oldest
+        step's result once every rank has answered it (a later one on the next poll)."""
         events = PoolEvents()
         while self._sock.poll(0):
             identity, message = self._recv(block=False)
             if isinstance(message, ModelRunnerOutput):
-                if self._in_flight is None or message.step_id != self._in_flight.step_id:
+                answers = self._results.get(message.step_id)
+                if answers is None:
                     raise WorkerDied(f"{self._who(identity)} answered a step it was not given")
-                self._results[identity] = message
+                answers[identity] = message
             elif isinstance(message, KVTransferStatus):
                 events.transfers += message.results
             elif not isinstance(message, WorkerHeartbeat):
                 raise WorkerDied(f"{self._who(identity)} sent {type(message).__name__} mid-run")
-        if self._in_flight is not None and len(self._results) == len(self._identities):
-            events.result = self._results[self._identities[0]]
+        oldest = self._in_flight[0].step_id if self._in_flight else None
+        if oldest is not None and len(self._results[oldest]) == len(self._identities):
+            answers = self._results.pop(oldest)
+            events.result = answers[self._identities[0]]
             for identity in self._identities:  # each decode rank lands its own KV heads
-                events.transfers += self._results[identity].kv_results
+                events.transfers += answers[identity].kv_results
             if self._tensor_parallel:
                 result = events.result
                 self._last_sampled = dict(
                     zip(result.request_ids, result.sampled_token_ids, strict=True)
                 )
-            self._in_flight = None
+            self._in_flight.popleft()
         return events
 
     def check_alive(self) -> None:

@@ -139,7 +139,7 @@ class EngineCoreProc:
                 )
 
     def _any_in_flight(self) -> bool:
-        return any(slot.in_flight is not None for slot in self.core.slots.values())
+        return any(slot.in_flight for slot in self.core.slots.values())
 
     def _wait(self, timeout_ms: int) -> None:
         """Sleep until a worker answers, a request comes, or the timeout."""

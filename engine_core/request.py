@@ -38,6 +38,11 @@ class Request:
         self.priority = priority
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens scheduled in steps the workers are still running, and
+        # the tokens those steps will sample (the workers hold them; they come here with
+        # the step's output).
+        self.num_scheduled_ahead = 0
+        self.num_output_placeholders = 0
         self.finish_reason: FinishReason | None = None
         self.sent_to_workers = False  # the workers hold state for it
         self.cache_salt = (cache_salt or "").encode()  # hashed into every block key
@@ -75,6 +80,16 @@ class Request:
     @property
     def num_tokens_to_compute(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_tokens_unscheduled(self) -> int:
+        """Tokens no step has been given yet, counting those in-flight steps will sample."""
+        return (
+            len(self.token_ids)
+            + self.num_output_placeholders
+            - self.num_computed_tokens
+            - self.num_scheduled_ahead
+        )
 
     def __repr__(self) -> str:
         return f"Request({self.request_id}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"

@@ -15,6 +15,14 @@ once its prompt is computed and its first token sampled: ``take_handoffs`` hands
 the engine with its KV blocks still allocated. The decode pool's takes such a request
 with ``accept`` (its KV already in place) and decodes it; it also prefills the short
 prompts the router sends it directly, and recomputes what it preempts.
+
+Async scheduling (``--async-scheduling``): ``schedule`` may run again while the workers
+still run its last step. A request's tokens in such steps count as scheduled ahead, and
+the token such a step will sample as a placeholder, so the next step computes the
+position after it (the worker appended the sampled token itself). A request that its
+in-flight tokens will end by length is not scheduled again. Scheduling ahead never
+preempts: when KV blocks run short it stops (``can_schedule_ahead`` turns false) until
+the steps in flight are done, and preempts then.
 """
 
 from __future__ import annotations
@@ -64,10 +72,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.incoming: deque[Request] = deque()  # accepted hand-offs, KV in place
         self._handoffs: list[Request] = []
-        # Requests of the step the workers are running, and the blocks of those that
-        # ended meanwhile: freed only once the step is done writing into them.
-        self._in_flight: set[str] = set()
-        self._free_after_step: list[str] = []
+        # The requests of each step the workers are running, by step id, and the blocks
+        # of those that ended meanwhile: freed only once the last step holding them is
+        # done writing into them.
+        self._in_flight: dict[int, dict[str, Request]] = {}
+        self._free_after: dict[int, list[str]] = {}
+        self._stalled = False  # scheduling ahead found too few KV blocks
         self.waiting: RequestQueue = (
             PriorityQueue(config.priority_aging_s)
             if config.scheduling_policy == "priority"
@@ -161,6 +171,11 @@ class Scheduler:
         """Tokens still to compute for requests waiting or running here."""
         return sum(r.num_tokens_to_compute for r in (*self.waiting, *self.running))
 
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """Whether another step may be scheduled before the running ones are done."""
+        return not self._stalled
+
     def has_work(self) -> bool:
         return bool(
             len(self.waiting) or self.running or self.incoming or self._finished_for_workers
@@ -169,6 +184,9 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        ahead = bool(self._in_flight)  # the workers are still running earlier steps
+        if not ahead:
+            self._stalled = False
         budget = self._step_budget
         num_scheduled: dict[str, int] = {}
         cached_data: list[CachedRequestData] = []
@@ -186,7 +204,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
-            while not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
+            if n == 0:  # every token it has is in flight, or they end it
+                i += 1
+                continue
+            start = request.num_computed_tokens + request.num_scheduled_ahead
+            if ahead and not self.kv.can_allocate(request.request_id, start + n):
+                self._stalled = True  # preempt once the steps in flight are done
+                break
+            while not self.kv.can_allocate(request.request_id, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -194,11 +219,9 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # the request itself was the least urgent one left
-            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+            new_blocks = self.kv.allocate(request.request_id, start + n)
             if request.sent_to_workers:
-                cached_data.append(
-                    CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-                )
+                cached_data.append(CachedRequestData(request.request_id, new_blocks, start))
             else:  # accepted from another pool: this pool's workers see it first now
                 new_data.append(self._new_request_data(request))
                 request.sent_to_workers = True
@@ -206,12 +229,13 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if not preempted:
+        if not preempted and not self._stalled:
             budget = self._admit_waiting(budget, num_scheduled, new_data)
 
         finished, self._finished_for_workers = self._finished_for_workers, []
         self._step_id += 1
-        self._in_flight = set(num_scheduled)
+        if num_scheduled:
+            self._in_flight[self._step_id] = self._schedule_ahead(num_scheduled)
         self._last_num_scheduled = self._step_budget - budget
         if self._last_num_scheduled:
             self.iteration_tokens.observe(self._last_num_scheduled)
@@ -255,6 +279,18 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _schedule_ahead(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
+        """Count the step's tokens as in flight, with a placeholder for each request the
+        step brings to its end (the workers sample its next token)."""
+        requests = {}
+        for request_id, n in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_scheduled_ahead += n
+            if request.num_tokens_unscheduled == 0:
+                request.num_output_placeholders += 1
+            requests[request_id] = request
+        return requests
+
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             request.request_id,
@@ -284,7 +320,14 @@ class Scheduler:
         return True
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens_to_compute, budget, self._prefill_cap)
+        placeholders = request.num_output_placeholders
+        if placeholders and (
+            self.hands_off  # its prompt is done: it leaves this pool with that token
+            or request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
+            or request.num_tokens + placeholders >= self._length_limit()
+        ):
+            return 0  # the steps in flight end it
+        return min(request.num_tokens_unscheduled, budget, self._prefill_cap)
 
     def _urgency(self, request: Request) -> tuple[int, float]:
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
@@ -296,6 +339,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_scheduled_ahead = request.num_output_placeholders = 0
         self.waiting.readd_preempted(request)
         self._finished_for_workers.append(request.request_id)  # workers drop its state
         request.sent_to_workers = False
@@ -308,11 +352,13 @@ class Scheduler:
         """Account computed tokens, append sampled ones, finish what should stop. A request
         that ended while the step ran (aborted) is skipped; the blocks it held are freed
         only now that its workers are done writing them."""
-        for request_id, n in step.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None:
+        in_step = self._in_flight.pop(step.step_id, {})
+        for request_id, request in in_step.items():
+            if self.requests.get(request_id) is not request:
                 continue  # ended mid-step
+            n = step.num_scheduled_tokens[request_id]
             request.num_computed_tokens += n
+            request.num_scheduled_ahead -= n
             if self.kv.enable_prefix_caching:
                 extend_block_hashes(
                     request.block_hashes,
@@ -329,9 +375,10 @@ class Scheduler:
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
         ):
             maybe = self.requests.get(request_id)
-            if maybe is None:
+            if maybe is None or in_step.get(request_id) is not maybe:
                 continue  # ended mid-step: its token is dropped
             request = maybe
+            request.num_output_placeholders -= 1
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
             reason = self._stop_reason(request, token)
@@ -346,10 +393,8 @@ class Scheduler:
             elif self.hands_off and request.num_output_tokens == 1:
                 self._hand_off(request)
             outputs.setdefault(request.client_id, []).append(out)
-        self._in_flight = set()
-        for request_id in self._free_after_step:
+        for request_id in self._free_after.pop(step.step_id, []):
             self.kv.free(request_id)
-        self._free_after_step.clear()
         return outputs
 
     def _hand_off(self, request: Request) -> None:
@@ -374,12 +419,17 @@ class Scheduler:
             return FinishReason.STOP
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        # A request never outgrows the context or the whole KV cache (it could never
-        # be scheduled again).
-        limit = min(self.model.max_model_len, self.kv.num_blocks * self.kv.block_size)
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= limit:
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self._length_limit()
+        ):
             return FinishReason.LENGTH
         return None
+
+    def _length_limit(self) -> int:
+        # A request never outgrows the context or the whole KV cache (it could never
+        # be scheduled again).
+        return min(self.model.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def abort_requests(self, request_ids: list[str]) -> ClientOutputs:
         """Finish these requests with ABORT; unknown or finished ids are ignored."""
@@ -411,8 +461,9 @@ class Scheduler:
             self.incoming.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        if request.request_id in self._in_flight:
-            self._free_after_step.append(request.request_id)
+        holding = [step for step, ids in self._in_flight.items() if request.request_id in ids]
+        if holding:
+            self._free_after.setdefault(max(holding), []).append(request.request_id)
         else:
             self.kv.free(request.request_id)
         if request.sent_to_workers:

@@ -1,6 +1,7 @@
 """Greedy outputs of 16 concurrent requests do not depend on how they were scheduled:
-prefix caching on or off, step budgets of 16, 64 or unlimited, or a KV pool so small
-that requests are preempted and recomputed."""
+prefix caching on or off, step budgets of 16, 64 or unlimited, a KV pool so small
+that requests are preempted and recomputed, or async scheduling (each step planned
+while the worker runs the last) with any of these."""
 
 from __future__ import annotations
 
@@ -99,8 +100,9 @@ def test_prefix_cache_hits_change_nothing(baseline, logprobs_fn) -> None:
         ("--no-enable-prefix-caching", "--max-num-batched-tokens", "8192"),
         ("--max-num-batched-tokens", "16"),
         ("--max-num-batched-tokens", "64"),
+        ("--async-scheduling", "--max-num-batched-tokens", "64"),
     ],
-    ids=["prefix-cache-off", "budget-16", "budget-64"],
+    ids=["prefix-cache-off", "budget-16", "budget-64", "async-budget-64"],
 )
 def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, logprobs_fn) -> None:
     with TandemStack(*BASE, *flags) as stack:
@@ -108,11 +110,12 @@ def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, log
     assert_same(outputs, baseline[0], logprobs_fn)
 
 
-def test_preemption_changes_nothing(baseline, logprobs_fn) -> None:
+@pytest.mark.parametrize("scheduling", [(), ("--async-scheduling",)], ids=["sync", "async"])
+def test_preemption_changes_nothing(scheduling: tuple[str, ...], baseline, logprobs_fn) -> None:
     # Prompts of ~40 tokens take ~10 blocks of 4: 32 blocks admit three requests,
     # whose decodes then run out of blocks within a few tokens.
     flags = ("--block-size", "4", "--num-kv-blocks", "32", "--no-enable-prefix-caching")
-    with TandemStack(*BASE, *flags) as stack:
+    with TandemStack(*BASE, *flags, *scheduling) as stack:
         outputs = run_all(stack)
         stats = httpx.get(f"{stack.url}/stats").json()
     assert stats["preemptions"] > 0

@@ -1,6 +1,7 @@
 """In-process stand-ins for worker pools, so ``EngineCore`` steps without processes.
 
-A ``FakePool`` keeps each request's tokens as a worker would, completes a step after
+A ``FakePool`` keeps each request's tokens as a worker would, runs the steps it was
+given in order (``max_in_flight`` at most: 2 for async scheduling), completes each after
 ``step_polls`` polls (sampling a deterministic token for every request that reached its
 end), reports the KV it was told to copy out, and lands a KV transfer ``land_polls``
 polls after it learned of it — or fails it, when the test says so.
@@ -8,6 +9,7 @@ polls after it learned of it — or fails it, when the test says so.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from common.messages import (
@@ -39,7 +41,9 @@ class FakePool:
     kv_addresses: list[str] = field(default_factory=lambda: ["tcp://fake-decode:1"])
     steps: list[SchedulerOutput] = field(default_factory=list)
     fail_transfers: set[str] = field(default_factory=set)  # transfer ids to fail on landing
-    _in_flight: SchedulerOutput | None = None
+    max_in_flight: int = 1
+    most_in_flight: int = 0  # the most steps it ever held at once
+    _in_flight: deque[SchedulerOutput] = field(default_factory=deque)
     _polls: int = 0
     _tokens: dict[str, list[int]] = field(default_factory=dict)
     _computed: dict[str, int] = field(default_factory=dict)
@@ -48,18 +52,18 @@ class FakePool:
 
     @property
     def busy(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     def wait_ready(self) -> WorkerReady:
         return WorkerReady(0, self.num_blocks, BLOCK, MODEL, self.role, self.kv_address, 1024)
 
     def submit(self, step: SchedulerOutput) -> None:
-        assert self._in_flight is None, "one step in flight per pool"
+        assert len(self._in_flight) < self.max_in_flight, "too many steps in flight"
         self.steps.append(step)
-        self._in_flight = step
-        self._polls = 0
-        for request_id in step.finished_request_ids:
-            self._tokens.pop(request_id, None)
+        if not self._in_flight:
+            self._polls = 0
+        self._in_flight.append(step)
+        self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
         for transfer_id in step.kv_cancels:
             self._landing.pop(transfer_id, None)
         for receive in step.kv_receives:
@@ -81,12 +85,15 @@ class FakePool:
                 events.transfers.append(
                     KVTransferResult(transfer_id, ok, None if ok else "checksum mismatch", 4096)
                 )
-        if self._in_flight is None:
+        if not self._in_flight:
             return events
         self._polls += 1
         if self._polls < self.step_polls:
             return events
-        step, self._in_flight = self._in_flight, None
+        step = self._in_flight.popleft()
+        self._polls = 0
+        for request_id in step.finished_request_ids:
+            self._tokens.pop(request_id, None)
         for new in step.new_requests:
             self._tokens[new.request_id] = list(new.token_ids)
         ids, sampled = [], []
