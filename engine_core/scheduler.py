@@ -49,6 +49,7 @@ from engine_core.iteration_tokens import IterationTokens
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import FcfsQueue, PriorityQueue, RequestQueue
+from engine_core.steps_in_flight import StepsInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.incoming: deque[Request] = deque()  # accepted hand-offs, KV in place
         self._handoffs: list[Request] = []
-        # The requests of each step the workers are running, by step id, and the blocks
-        # of those that ended meanwhile: freed only once the last step holding them is
-        # done writing into them.
-        self._in_flight: dict[int, dict[str, Request]] = {}
-        self._free_after: dict[int, list[str]] = {}
+        self._in_flight = StepsInFlight()
         self._stalled = False  # scheduling ahead found too few KV blocks
         self.waiting: RequestQueue = (
             PriorityQueue(config.priority_aging_s)
@@ -235,7 +232,7 @@ class Scheduler:
         finished, self._finished_for_workers = self._finished_for_workers, []
         self._step_id += 1
         if num_scheduled:
-            self._in_flight[self._step_id] = self._schedule_ahead(num_scheduled)
+            self._in_flight.add(self._step_id, num_scheduled, self.requests)
         self._last_num_scheduled = self._step_budget - budget
         if self._last_num_scheduled:
             self.iteration_tokens.observe(self._last_num_scheduled)
@@ -278,18 +275,6 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
         return budget
-
-    def _schedule_ahead(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
-        """Count the step's tokens as in flight, with a placeholder for each request the
-        step brings to its end (the workers sample its next token)."""
-        requests = {}
-        for request_id, n in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_scheduled_ahead += n
-            if request.num_tokens_unscheduled == 0:
-                request.num_output_placeholders += 1
-            requests[request_id] = request
-        return requests
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -352,7 +337,7 @@ class Scheduler:
         """Account computed tokens, append sampled ones, finish what should stop. A request
         that ended while the step ran (aborted) is skipped; the blocks it held are freed
         only now that its workers are done writing them."""
-        in_step = self._in_flight.pop(step.step_id, {})
+        in_step, to_free = self._in_flight.done(step.step_id)
         for request_id, request in in_step.items():
             if self.requests.get(request_id) is not request:
                 continue  # ended mid-step
@@ -393,7 +378,7 @@ class Scheduler:
             elif self.hands_off and request.num_output_tokens == 1:
                 self._hand_off(request)
             outputs.setdefault(request.client_id, []).append(out)
-        for request_id in self._free_after.pop(step.step_id, []):
+        for request_id in to_free:
             self.kv.free(request_id)
         return outputs
 
@@ -461,10 +446,7 @@ class Scheduler:
             self.incoming.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        holding = [step for step, ids in self._in_flight.items() if request.request_id in ids]
-        if holding:
-            self._free_after.setdefault(max(holding), []).append(request.request_id)
-        else:
+        if not self._in_flight.free_later(request.request_id):
             self.kv.free(request.request_id)
         if request.sent_to_workers:
             self._finished_for_workers.append(request.request_id)
