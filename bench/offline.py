@@ -4,7 +4,8 @@ seeded prompts as token ids, each generating exactly ``max_tokens`` greedily, at
 concurrency: ``c`` prompts submitted at once, wave after wave (``c = 1``: one at a
 time). Systems alternate run by run (this host's speed drifts). ``--busy-cores N`` keeps
 N processes spinning beside every system for the whole run (a host shared with other
-work). A table on stdout, JSON in bench/results/offline.json (offline-busyN.json).
+work). A table on stdout, JSON in bench/results/offline.json (offline-busyN.json, or
+``--name``).
 
 Systems (each skipped with a printed reason when unavailable):
   tandem    LLM(model, dtype=...) in this process (its engine and worker are children)
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="tandem,openvino", help="comma-separated (default: all)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=None, help="results name (default: offline[-busyN])")
     p.add_argument(
         "--busy-cores",
         type=int,
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         _rows(runs, len(prompts)),
     )
     path = write_results(
-        f"offline-busy{args.busy_cores}" if args.busy_cores else "offline",
+        args.name or (f"offline-busy{args.busy_cores}" if args.busy_cores else "offline"),
         {
             "workload": args.workload,
             "busy_cores": args.busy_cores,
