@@ -114,7 +114,7 @@ class SchedulerConfig:
     batch_wait_timeout_s: float = 0.05
     max_waiting_requests: int = 1024
     # Schedule step N+1 while the workers run step N (vLLM's --async-scheduling), so a
-    # worker finds its next step waiting when it finishes one. Unified pool, TP 1.
+    # worker finds its next step waiting when it finishes one.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -392,12 +392,6 @@ class TandemConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
-        _require(
-            not self.scheduler.async_scheduling
-            or (not self.disagg.split and self.disagg.tensor_parallel_size == 1),
-            "--async-scheduling needs one unified pool of one worker: leave out "
-            "--prefill-workers/--decode-workers and --tensor-parallel-size",
-        )
         # The pools' and the KV hand-off's sockets carry prompts and KV: the same rule as
         # the engine's own sockets (and the same keys encrypt them).
         d = self.disagg

@@ -6,8 +6,8 @@ the hand-offs between pools (``handoff.py``) and the router that picks a pool fo
 new prompt (``router.py``). ``step()`` is submit-then-poll: every idle pool gets its next
 batch, then every pool is polled without waiting, so each keeps a batch in flight and a
 long prefill step never holds back the decode pool's steps. With ``--async-scheduling``
-a pool holds two: the next step is scheduled and sent while the workers run the last, so
-they start it the moment they finish. Tests drive it in-process
+each pool holds two: the next step is scheduled and sent while the workers run the last,
+so they start it the moment they finish. Tests drive it in-process
 with fake pools; ``proc.py`` runs it behind the engine's sockets.
 
     outputs = core.step()        # submit to idle pools, poll all, hand off, route outputs
@@ -125,12 +125,13 @@ class EngineCore:
         self.model = first.model
         config = self.config.scheduler
         caching = config.enable_prefix_caching
+        depth = 2 if config.async_scheduling else 1  # steps a pool holds at once
         if not self.split:
             kv = KVCacheManager(first.num_kv_blocks, first.block_size, caching)
             self.slots["unified"] = Slot(
                 self.pools["unified"],
                 Scheduler(config, kv, first.model, self._clock),
-                depth=2 if config.async_scheduling else 1,
+                depth,
             )
             return
         disagg = self.config.disagg
@@ -145,8 +146,8 @@ class EngineCore:
         prefill = Scheduler(config, prefill_kv, first.model, self._clock, hands_off=True)
         decode = Scheduler(config, decode_kv, first.model, self._clock)
         self.slots = {
-            "prefill": Slot(self.pools["prefill"], prefill),
-            "decode": Slot(self.pools["decode"], decode),
+            "prefill": Slot(self.pools["prefill"], prefill, depth),
+            "decode": Slot(self.pools["decode"], decode, depth),
         }
         self.router = Router(prefill, decode, self.config.disagg)
         decode_ranks = disagg.tp_size("decode")

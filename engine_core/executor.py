@@ -98,8 +98,11 @@ class WorkerPool:
         self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[SchedulerOutput] = deque()
         self._results: dict[int, dict[bytes, ModelRunnerOutput]] = {}
-        # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here.
-        self._tensor_parallel = config.disagg.tp_size(self.name) > 1
+        # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here
+        # (with async scheduling, from rank 0 itself: the next step leaves too early).
+        self._relays_samples = (
+            config.disagg.tp_size(self.name) > 1 and not config.scheduler.async_scheduling
+        )
         self.kv_addresses: list[str] = []  # per rank, where a decode worker takes KV (tcp)
         self._last_sampled: dict[str, int] = {}
         if self._external:
@@ -162,7 +165,7 @@ class WorkerPool:
             raise RuntimeError(
                 f"pool {self.name} already has {len(self._in_flight)} step(s) in flight"
             )
-        if self._tensor_parallel:
+        if self._relays_samples:
             step = msgspec.structs.replace(step, prev_sampled=self._last_sampled)
         frame = self._codec.encode(step)
         for identity in self._identities:
@@ -191,7 +194,7 @@ class WorkerPool:
             events.result = answers[self._identities[0]]
             for identity in self._identities:  # each decode rank lands its own KV heads
                 events.transfers += answers[identity].kv_results
-            if self._tensor_parallel:
+            if self._relays_samples:
                 result = events.result
                 self._last_sampled = dict(
                     zip(result.request_ids, result.sampled_token_ids, strict=True)

@@ -208,7 +208,8 @@ class ModelRunner:
         return output
 
     def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        if self.tp.rank > 0:  # rank 0 sampled these last step; this rank did not
+        if self.tp.rank > 0 and not self.tp.broadcasts_samples:
+            # Rank 0 sampled these last step; this rank did not.
             for request_id, token in step.prev_sampled.items():
                 state = self.requests.get(request_id)
                 if state is not None:
@@ -247,6 +248,10 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         if self.tp.rank > 0:  # its logits shard went into rank 0's gather; rank 0 samples
+            if self.tp.broadcasts_samples:
+                shared = self.tp.share_samples([0] * len(sample_ids), self.device)
+                for request_id, token in zip(sample_ids, shared, strict=True):
+                    self.requests[request_id].token_ids.append(token)
             return ModelRunnerOutput(step.step_id, [], [])
         states = [self.requests[r] for r in sample_ids]
         for state in states:
@@ -268,6 +273,8 @@ class ModelRunner:
             token_bitmask=self.structured.bitmask([s.grammar for s in states]),
         )
         result = sample(logits, batch, self.ops)
+        if self.tp.broadcasts_samples:
+            self.tp.share_samples(result.token_ids, self.device)
         for state, token in zip(states, result.token_ids, strict=True):
             state.token_ids.append(token)
             if state.grammar is not None:

@@ -7,7 +7,9 @@ rows, followed by one all-reduce each; the embedding and LM head split by vocabu
 (a masked lookup plus an all-reduce; local logits gathered before sampling). KV heads
 split with the q heads; where there are fewer KV heads than ranks each rank holds the
 one KV head its q heads use (replicated, vLLM's rule). Norms and RoPE are replicated.
-Rank 0 alone samples; the other ranks learn the sampled tokens from the next step.
+Rank 0 alone samples; the other ranks learn the sampled tokens from the next step's
+``prev_sampled`` or, with async scheduling (the next step is sent before this one's
+tokens reach the engine), from rank 0 by a broadcast right after it samples.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    broadcasts_samples: bool = False  # rank 0's sampled tokens go to the others at once
 
     def split(self, total: int, what: str) -> int:
         """This rank's equal share of ``total`` (the vocabulary: its logits are gathered,
@@ -85,8 +88,21 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def share_samples(self, token_ids: list[int], device: torch.device) -> list[int]:
+        """Rank 0's sampled tokens, on every rank (the others pass placeholders of the
+        same length)."""
+        values = torch.tensor(token_ids, dtype=torch.long, device=device)
+        dist.broadcast(values, src=0)
+        return [int(t) for t in values.tolist()]
 
-def init_group(rank: int, size: int, init_address: str, device: torch.device) -> TensorParallel:
+
+def init_group(
+    rank: int,
+    size: int,
+    init_address: str,
+    device: torch.device,
+    broadcasts_samples: bool = False,
+) -> TensorParallel:
     """Join the pool's process group (blocks until every rank has joined)."""
     if size == 1:
         return TensorParallel()
@@ -99,7 +115,7 @@ def init_group(rank: int, size: int, init_address: str, device: torch.device) ->
         timeout=timedelta(minutes=10),  # a rank still loading its shard is waited for
     )
     logger.info("rank %d of %d joined the %s group at %s", rank, size, backend, init_address)
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, broadcasts_samples)
 
 
 def destroy_group(tp: TensorParallel) -> None:

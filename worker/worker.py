@@ -141,7 +141,10 @@ def _build_runner(
     ranks = config.disagg.tp_size(str(pool))
     if ranks > 1 and not tp_init_address:
         raise ValueError("tensor parallelism needs --tp-init-address (the engine sets it)")
-    tp = init_group(rank, ranks, tp_init_address or "", device)
+    # With async scheduling the next step leaves the engine before this one's tokens
+    # arrive there, so ranks > 0 take them from rank 0 directly.
+    broadcast = config.scheduler.async_scheduling
+    tp = init_group(rank, ranks, tp_init_address or "", device, broadcast)
     runner = ModelRunner(
         resolve_model_dir(config.model.model),
         dtype,

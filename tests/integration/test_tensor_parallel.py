@@ -79,6 +79,22 @@ def test_two_ranks_serve_the_greedy_tokens_of_one(
     assert stats["num_kv_blocks_in_use"] == 0
 
 
+def test_two_ranks_with_async_scheduling_serve_the_greedy_tokens_of_one(
+    server: TandemStack, smollm2_dir: Path
+) -> None:
+    """The next step leaves the engine before rank 0's tokens reach it: rank 1 takes
+    them from rank 0 (a broadcast), or its KV would go wrong from the second token."""
+    flags = ("--tensor-parallel-size", "2", "--dtype", "float32", "--async-scheduling")
+    with TandemStack(*flags) as stack:
+        sharded = asyncio.run(greedy_all(stack.url))
+        stats = httpx.get(f"{stack.url}/stats", timeout=10).json()
+    whole = asyncio.run(greedy_all(server.url))
+    ours = our_logprobs_fn(smollm2_dir)
+    for (prompt, a), (_, b) in zip(sharded, whole, strict=True):
+        assert_greedy_parity(prompt, a, b, ours, ours)
+    assert stats["num_kv_blocks_in_use"] == 0
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [

@@ -121,8 +121,10 @@ def split(
     conditional: bool,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    *extra: str,
 ) -> dict[str, Any]:
     flags = [
+        *extra,
         *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
         "--model",
         reference.model,
@@ -172,6 +174,20 @@ def test_split_pools_match_the_unified_pool(
     stats = split(smollm2, kv_transfer, conditional)
     if kv_transfer == "tcp":
         assert stats["kv_transfers"]["bytes"] > 0
+
+
+# Async scheduling: each pool holds two steps, so the KV orders of a hand-off ride a step
+# sent while the one before it still runs, and the decode pool schedules ahead of the
+# tokens it has not reported yet.
+@pytest.mark.parametrize(
+    ("kv_transfer", "conditional"),
+    [("tcp", False), pytest.param("shm", True, marks=pytest.mark.slow)],
+    ids=["tcp", "shm-conditional"],
+)
+def test_split_pools_with_async_scheduling_match_the_unified_pool(
+    smollm2: Reference, kv_transfer: str, conditional: bool
+) -> None:
+    split(smollm2, kv_transfer, conditional, 1, 1, "--async-scheduling")
 
 
 # Gemma's own concern is its sliding-window layers' KV crossing pools: one run per

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConfig
+from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.messages import (
     EngineRequest,
     FinishReason,
@@ -226,16 +226,3 @@ def test_engine_core_keeps_two_steps_in_flight_and_outputs_the_same(num_blocks: 
     while core.has_work():  # the last finished ids reach the workers
         core.step()
     assert not pool.busy
-
-
-def test_async_scheduling_refuses_split_pools_and_tensor_parallelism() -> None:
-    with pytest.raises(ValueError, match="--async-scheduling needs one unified pool"):
-        TandemConfig(
-            scheduler=SchedulerConfig(async_scheduling=True),
-            disagg=DisaggConfig(prefill_workers=1, decode_workers=1),
-        )
-    with pytest.raises(ValueError, match="--async-scheduling needs one unified pool"):
-        TandemConfig(
-            scheduler=SchedulerConfig(async_scheduling=True),
-            disagg=DisaggConfig(tensor_parallel_size=2),
-        )

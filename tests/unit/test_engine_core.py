@@ -1,9 +1,11 @@
 """``EngineCore`` in-process, with fake pools: submit-then-poll stepping, and every path a
 prefill -> decode hand-off can take, with exact block ids and, at the end of every case,
-every block of every pool free."""
+every block of every pool free. Every split-pool case runs twice: one step in flight per
+pool, and two (``--async-scheduling``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +25,15 @@ from engine_core.core import EngineCore
 from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool, token_for
 
+ASYNC_SCHEDULING = False  # read by make(); each test runs with both values
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether ``make`` builds an engine whose pools hold two steps at once."""
+    monkeypatch.setattr(sys.modules[__name__], "ASYNC_SCHEDULING", request.param)
+    return bool(request.param)
+
 
 def make(
     kv_transfer: str = "tcp",
@@ -34,9 +45,15 @@ def make(
     min_prompt: int = 0,
     **pool_options: int,
 ) -> tuple[EngineCore, FakePool, FakePool, ManualClock]:
+    # A step that ends on the poll after its submission never has a second queued behind it.
+    polls = 2 if ASYNC_SCHEDULING else 1
     config = TandemConfig(
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=16),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            async_scheduling=ASYNC_SCHEDULING,
+        ),
         disagg=DisaggConfig(
             prefill_workers=1,
             decode_workers=1,
@@ -46,12 +63,15 @@ def make(
             disagg_min_prompt_tokens=min_prompt,
         ),
     )
-    prefill = FakePool(PoolRole.PREFILL, prefill_blocks, pool_options.get("prefill_polls", 1))
+    prefill = FakePool(
+        PoolRole.PREFILL, prefill_blocks, pool_options.get("prefill_polls", polls), max_in_flight=2
+    )
     decode = FakePool(
         PoolRole.DECODE,
         decode_blocks,
-        pool_options.get("decode_polls", 1),
+        pool_options.get("decode_polls", polls),
         pool_options.get("land_polls", 1),
+        max_in_flight=2,
     )
     clock = ManualClock(1000.0)
     core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)
@@ -124,7 +144,7 @@ def test_unified_pool_steps_submit_then_poll() -> None:
     assert_all_free(core)
 
 
-def test_pools_step_independently() -> None:
+def test_pools_step_independently(async_scheduling: bool) -> None:
     """A slow prefill step (10 polls) does not hold back the decode pool's steps."""
     core, prefill, decode, _ = make("shm", prefill_polls=10)
     outputs: Outputs = {}
@@ -138,6 +158,7 @@ def test_pools_step_independently() -> None:
     assert len(decode.steps) - decode_steps_before >= 8
     run(core, outputs, finished(outputs, "d", "p"))
     assert tokens(outputs, "d") == expected_tokens("d", 3, 30)
+    assert decode.most_in_flight == (2 if async_scheduling else 1)
     assert_all_free(core)
 
 
@@ -252,7 +273,7 @@ def test_abort_while_prefilling() -> None:
     core, prefill, decode, _ = make("tcp", budget=8)
     outputs: Outputs = {}
     core.add_request(request("a", list(range(1, 21)), max_tokens=3))  # 20 tokens, 8 a step
-    run(core, outputs, lambda: len(prefill.steps) == 1 and not prefill.busy)
+    run(core, outputs, lambda: len(prefill.steps) == 1)  # the first chunk is sent
     assert prefill.steps[0].num_scheduled_tokens == {"a": 8}
     outputs.setdefault("a", []).extend(core.abort(["a"]).get(b"client", []))
     run(core, outputs, lambda: not core.has_work())
