@@ -45,6 +45,7 @@ from common.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from engine_core.batching import make_batching
 from engine_core.iteration_tokens import IterationTokens
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
@@ -88,8 +89,7 @@ class Scheduler:
         self._prefill_cap = config.long_prefill_token_threshold or self._step_budget
         self._finished_for_workers: list[str] = []
         self._step_id = 0
-        self._static_quota = 0  # static batching: requests still to admit into this batch
-        self._static_wait_start: float | None = None
+        self.batching = make_batching(config, clock)
         self.num_requests_total = 0
         self.num_generated_tokens_total = 0
         self.num_preemptions_total = 0
@@ -111,8 +111,7 @@ class Scheduler:
         self.num_prompt_tokens_total += request.num_prompt_tokens
         request.received_time = self._clock()
         self.waiting.add(request)
-        if self._static_wait_start is None:
-            self._static_wait_start = self._clock()
+        self.batching.arrived()
         return None
 
     def _admission_error(self, request: Request) -> tuple[ErrorKind, str] | None:
@@ -241,12 +240,13 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_data: list[NewRequestData]
     ) -> int:
-        static = self.config.batching == "static"
-        if static and not self._open_static_batch():
-            return budget
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if static and self._static_quota == 0:
-                break
+        quota = self.batching.quota(len(self.waiting), len(self.running))
+        while (
+            quota > 0
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             extend_block_hashes(
                 request.block_hashes, request.token_ids, self.kv.block_size, request.cache_salt
@@ -270,7 +270,8 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = self._clock()
             self.running.append(request)
-            self._static_quota = max(0, self._static_quota - 1)
+            self.batching.admitted()
+            quota -= 1
             new_data.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
@@ -285,24 +286,6 @@ class Scheduler:
             request.num_computed_tokens,
             request.num_prompt_tokens,
         )
-
-    def _open_static_batch(self) -> bool:
-        """Static batching admits only into a forming batch: one opens when nothing
-        runs and either ``max_num_seqs`` requests wait or the first waited long enough."""
-        if self._static_quota > 0:
-            return True
-        if self.running or not len(self.waiting):
-            return False
-        now = self._clock()
-        waited = now - (now if self._static_wait_start is None else self._static_wait_start)
-        if (
-            len(self.waiting) < self.config.max_num_seqs
-            and waited < self.config.batch_wait_timeout_s
-        ):
-            return False
-        self._static_quota = min(len(self.waiting), self.config.max_num_seqs)
-        self._static_wait_start = None
-        return True
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         placeholders = request.num_output_placeholders
