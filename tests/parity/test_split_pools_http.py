@@ -176,20 +176,6 @@ def test_split_pools_match_the_unified_pool(
         assert stats["kv_transfers"]["bytes"] > 0
 
 
-# Async scheduling: each pool holds two steps, so the KV orders of a hand-off ride a step
-# sent while the one before it still runs, and the decode pool schedules ahead of the
-# tokens it has not reported yet.
-@pytest.mark.parametrize(
-    ("kv_transfer", "conditional"),
-    [("tcp", False), pytest.param("shm", True, marks=pytest.mark.slow)],
-    ids=["tcp", "shm-conditional"],
-)
-def test_split_pools_with_async_scheduling_match_the_unified_pool(
-    smollm2: Reference, kv_transfer: str, conditional: bool
-) -> None:
-    split(smollm2, kv_transfer, conditional, 1, 1, "--async-scheduling")
-
-
 # Gemma's own concern is its sliding-window layers' KV crossing pools: one run per
 # transport (SmolLM2 covers every transport x conditional combination).
 @pytest.mark.slow
@@ -203,30 +189,48 @@ def test_gemma_split_pools_match_the_unified_pool(
 
 
 # Pools of different tensor-parallel widths: the hand-off re-shards the KV heads (SmolLM2's
-# 3 KV heads lie 1 + 2 over two ranks).
+# 3 KV heads lie 1 + 2 over two ranks). The tcp case also schedules async: each pool holds
+# two steps, so a hand-off's KV orders ride a step sent while the one before it runs, and
+# the decode pool's rank 0 broadcasts its tokens to rank 1 (the engine has not seen them
+# when it sends the next step).
 @pytest.mark.parametrize(
-    ("kv_transfer", "prefill_tp", "decode_tp"),
-    [("shm", 2, 1), ("tcp", 1, 2)],
-    ids=["shm-tp2-to-tp1", "tcp-tp1-to-tp2"],
+    ("kv_transfer", "prefill_tp", "decode_tp", "scheduling"),
+    [("shm", 2, 1, ()), ("tcp", 1, 2, ("--async-scheduling",))],
+    ids=["shm-tp2-to-tp1", "tcp-tp1-to-tp2-async"],
 )
 def test_split_pools_of_different_widths_match_the_unified_pool(
-    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int
+    smollm2: Reference,
+    kv_transfer: str,
+    prefill_tp: int,
+    decode_tp: int,
+    scheduling: tuple[str, ...],
 ) -> None:
-    stats = split(smollm2, kv_transfer, False, prefill_tp, decode_tp)
+    stats = split(smollm2, kv_transfer, False, prefill_tp, decode_tp, *scheduling)
     assert stats["kv_transfers"]["bytes"] > 0  # copied (shm too: the layouts differ)
 
 
 # The transport x conditional combinations SmolLM2 does not run at equal widths above
-# (shm without it, tcp with it) ride on these: one configuration per stack start-up.
+# (shm without it, tcp with it) ride on these, and async scheduling over shm (one block
+# pool: a block the decode pool frees after its last step in flight is the prefill
+# pool's next): one configuration per stack start-up.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_transfer", "prefill_tp", "decode_tp", "conditional"),
-    [("shm", 1, 2, False), ("tcp", 2, 1, True), ("shm", 2, 2, False)],
-    ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1-conditional", "shm-tp2-to-tp2"],
+    ("kv_transfer", "prefill_tp", "decode_tp", "conditional", "scheduling"),
+    [
+        ("shm", 1, 2, False, ()),
+        ("tcp", 2, 1, True, ()),
+        ("shm", 2, 2, False, ("--async-scheduling",)),
+    ],
+    ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1-conditional", "shm-tp2-to-tp2-async"],
 )
 def test_split_pools_of_different_widths_match_the_unified_pool_more(
-    smollm2: Reference, kv_transfer: str, prefill_tp: int, decode_tp: int, conditional: bool
+    smollm2: Reference,
+    kv_transfer: str,
+    prefill_tp: int,
+    decode_tp: int,
+    conditional: bool,
+    scheduling: tuple[str, ...],
 ) -> None:
-    stats = split(smollm2, kv_transfer, conditional, prefill_tp, decode_tp)
+    stats = split(smollm2, kv_transfer, conditional, prefill_tp, decode_tp, *scheduling)
     copied = prefill_tp != decode_tp or kv_transfer == "tcp"
     assert (stats["kv_transfers"]["bytes"] > 0) == copied
