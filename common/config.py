@@ -117,6 +117,12 @@ class SchedulerConfig:
     # worker finds its next step waiting when it finishes one.
     async_scheduling: bool = False
 
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps a worker pool holds at once: the running one, and with async scheduling
+        the next one, waiting at the workers."""
+        return 2 if self.async_scheduling else 1
+
     def __post_init__(self) -> None:
         _require(
             self.long_prefill_token_threshold >= 0,

@@ -125,7 +125,7 @@ class EngineCore:
         self.model = first.model
         config = self.config.scheduler
         caching = config.enable_prefix_caching
-        depth = 2 if config.async_scheduling else 1  # steps a pool holds at once
+        depth = config.max_steps_in_flight
         if not self.split:
             kv = KVCacheManager(first.num_kv_blocks, first.block_size, caching)
             self.slots["unified"] = Slot(

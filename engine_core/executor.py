@@ -5,8 +5,8 @@ A ``WorkerPool`` binds one ROUTER socket; its worker ``r`` connects with identit
 ``submit``s a step to every worker of the pool and ``poll``s without blocking; rank 0's
 answer is the step's result once every rank has answered, so a pool keeps a batch in
 flight and never makes the engine wait for it. With async scheduling it keeps two: the
-second waits in the workers' sockets, and they answer in order. Between steps a decode worker may report
-KV transfers that landed (``KVTransferStatus``).
+second waits in the workers' sockets, and they answer in order. Between steps a decode
+worker may report KV transfers that landed (``KVTransferStatus``).
 
 Workers are started by the pool (``python -m worker --pool P --rank R --worker-address
 A``, the same command a container runs) or, with ``--external-workers``, started apart
@@ -95,7 +95,7 @@ class WorkerPool:
         self._external = config.disagg.external_workers
         self._silences: dict[int, Silence] = {}  # external workers', by rank
         # Steps sent and not yet answered by every rank, oldest first; their answers.
-        self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self._max_in_flight = config.scheduler.max_steps_in_flight
         self._in_flight: deque[SchedulerOutput] = deque()
         self._results: dict[int, dict[bytes, ModelRunnerOutput]] = {}
         # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here
