@@ -37,7 +37,7 @@ DTYPE = torch.bfloat16
 
 
 def caches(num_blocks: int) -> list[torch.Tensor]:
-    shape = (2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (2, num_blocks, KV_HEADS, BLOCK, HEAD_DIM)  # worker/attention.py's layout
     return [torch.randn(shape).to(DTYPE) for _ in range(LAYERS)]
 
 
@@ -61,7 +61,7 @@ def tcp_s(tokens: int, repeats: int) -> float:
     blocks = -(-tokens // BLOCK)
     ctx: zmq.Context[Any] = zmq.Context()
     src, dst = caches(blocks), [c.clone().zero_() for c in caches(blocks)]
-    receiver = KVReceiver(ctx, dst, BLOCK, "tcp://127.0.0.1:0")
+    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0")
     sender = KVSender(ctx, BLOCK)
     ids = list(range(blocks))
     times = []
@@ -91,7 +91,7 @@ def reshard_pull_s(tokens: int, repeats: int) -> float:
     source = KVLayout(HEADS, KV_HEADS, HEAD_DIM, 2)
     try:
         for rank in range(2):
-            shape = (2, blocks * BLOCK, source.heads(rank).kv_count, HEAD_DIM)
+            shape = (2, blocks, source.heads(rank).kv_count, BLOCK, HEAD_DIM)
             shared = SharedCaches(
                 segment_name(service, prefill_segment(rank)), shape, LAYERS, DTYPE
             )

@@ -1,8 +1,10 @@
 """Paged attention over the KV cache, for a batch mixing prefill chunks and decodes.
 
-KV cache of one layer: ``[2, num_slots, num_kv_heads, head_dim]`` with
-``num_slots = num_blocks * block_size``; token ``p`` of a request lives in slot
-``block_ids[p // block_size] * block_size + p % block_size``. The step's metadata is
+KV cache of one layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` (K, then
+V): within a block each KV head's rows are contiguous, so attention reads one run per
+block and head rather than rows interleaved by head. Token ``p`` of a request lives in
+slot ``block_ids[p // block_size] * block_size + p % block_size``: block
+``slot // block_size``, row ``slot % block_size`` of each head. The step's metadata is
 built once (``worker/model_runner.py``) and passed explicitly to every layer: no global
 attention context.
 
@@ -136,16 +138,17 @@ def _slots_for(block_ids: list[int], block_size: int) -> torch.Tensor:
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
+    kv_cache: torch.Tensor, block_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of whole blocks in one copy: ``block_ids`` ``[..., nb]`` gives two
-    ``[..., nb * block_size, kv_heads, head_dim]`` tensors. Copying blocks (kilobytes
-    each) rather than slots (a few hundred bytes each) is many times faster on CPU."""
-    two, num_slots, kv_heads, head_dim = kv_cache.shape
-    blocks = kv_cache.view(two, num_slots // block_size, block_size * kv_heads * head_dim)
-    kv = blocks.index_select(1, block_ids.reshape(-1))
-    shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
-    return kv[0].view(shape), kv[1].view(shape)
+    ``[..., kv_heads, nb * block_size, head_dim]`` tensors (SDPA's layout). Copying blocks
+    (kilobytes each) rather than slots (a few hundred bytes each) is many times faster
+    on CPU."""
+    two, _, kv_heads, block_size, head_dim = kv_cache.shape
+    kv = kv_cache.transpose(1, 2).index_select(2, block_ids.reshape(-1))  # [2, KVH, m, B, D]
+    length = block_ids.shape[-1] * block_size
+    kv = kv.view(two, kv_heads, *block_ids.shape[:-1], length, head_dim).movedim(1, -3)
+    return kv[0], kv[1]
 
 
 def decode_attention_torch(
@@ -157,8 +160,7 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """Decode attention by PyTorch ops: gather each decode's blocks, then one SDPA."""
     assert meta.decode_block_table is not None  # only called when the step has decodes
-    keys, values = gather_blocks(kv_cache, meta.decode_block_table, meta.block_size)
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [n, KVH, L, D]
+    keys, values = gather_blocks(kv_cache, meta.decode_block_table)  # [n, KVH, L, D]
     return _attend(q.unsqueeze(2), keys, values, meta.decode_mask(window), scale).squeeze(2)
 
 
@@ -166,7 +168,7 @@ def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
-    kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_dim]
     meta: AttentionMetadata,
     ops: Ops,
     scale: float,
@@ -185,17 +187,17 @@ def paged_attention(
         out.index_copy_(0, meta.decode_token_indices, decode_out)
     for chunk in meta.prefills:
         chunk_q = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
-        if chunk.context_start == 0:
-            keys = k[chunk.token_start : chunk.token_end]
-            values = v[chunk.token_start : chunk.token_end]
+        if chunk.context_start == 0:  # [KVH, L, D]
+            keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
+            values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
         else:
-            keys, values = gather_blocks(kv_cache, chunk.block_ids, meta.block_size)
-            keys, values = keys[: chunk.context_end], values[: chunk.context_end]
+            keys, values = gather_blocks(kv_cache, chunk.block_ids)
+            keys, values = keys[:, : chunk.context_end], values[:, : chunk.context_end]
         # A leading batch dim of 1: 3-D inputs take a much slower SDPA kernel on CPU.
         chunk_out = _attend(
             chunk_q[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
+            keys[None],
+            values[None],
             chunk.mask(window),
             scale,
         )

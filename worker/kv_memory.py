@@ -1,28 +1,56 @@
-"""Where a worker's KV caches live: one tensor per layer, ``[2, slots, kv_heads, dim]``.
+"""Where a worker's KV caches live: one tensor per layer, in the layout
+``worker/attention.py`` gives (``[2, num_blocks, kv_heads, block_size, head_dim]``).
 
 Local memory (a unified pool, or either side of ``--kv-transfer tcp``), or one POSIX
 shared-memory segment holding every layer (``--kv-transfer shm``) that the prefill and
 the decode workers both map: the tensors are views of the mapping itself, so a block the
 prefill worker writes is the block the decode worker reads, with no copy in between.
+
+Local CPU caches ask for transparent huge pages (``madvise``, honoured where
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``): decode
+attention walks every sequence's blocks, scattered over the whole cache, and with 4 KiB
+pages nearly every block costs a TLB miss (``docs/benchmarks.md``, "Decode attention").
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 from multiprocessing import shared_memory
 
 import torch
 
 from common.shm import attach_segment
 
+HUGE_PAGE = 2 << 20
+
 
 def local_caches(
     layer_shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    # empty + zero_ writes every page now: torch.zeros on CPU may map untouched zero
-    # pages that only become resident as blocks are first used, so the worker's memory
-    # would creep up for hours and an oversized --kv-cache-gb would fail late, not here.
-    return [torch.empty(layer_shape, dtype=dtype, device=device).zero_() for _ in range(num_layers)]
+    # Every page is written now (zero_): untouched pages would only become resident as
+    # blocks are first used, so the worker's memory would creep up for hours and an
+    # oversized --kv-cache-gb would fail late, not here.
+    if device.type != "cpu":
+        return [
+            torch.empty(layer_shape, dtype=dtype, device=device).zero_() for _ in range(num_layers)
+        ]
+    per_layer = math.prod(layer_shape)
+    flat = huge_page_memory(per_layer * num_layers * dtype.itemsize).view(dtype).zero_()
+    return [flat[i * per_layer : (i + 1) * per_layer].view(layer_shape) for i in range(num_layers)]
+
+
+def huge_page_memory(num_bytes: int) -> torch.Tensor:
+    """``num_bytes`` of fresh anonymous memory (uint8), 2 MiB aligned, advised to be backed
+    by transparent huge pages. The tensor keeps the mapping alive; it is unmapped with the
+    last view of it."""
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages, as before
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip : skip + num_bytes]
 
 
 class SharedCaches:

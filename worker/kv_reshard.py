@@ -48,9 +48,10 @@ class KVLayout:
 
 
 def _as_heads(payload: torch.Tensor, block_size: int, kv_count: int) -> torch.Tensor:
-    """``[layers, 2, blocks, row]`` as ``[layers, 2, blocks, block_size, heads, dim]``."""
+    """``[layers, 2, blocks, row]`` as ``[layers, 2, blocks, heads, block_size, dim]`` (a
+    block's rows head by head, as the cache holds them)."""
     layers, two, blocks, _ = payload.shape
-    return payload.view(layers, two, blocks, block_size, kv_count, -1)
+    return payload.view(layers, two, blocks, kv_count, block_size, -1)
 
 
 def gather_heads(
@@ -58,7 +59,7 @@ def gather_heads(
 ) -> torch.Tensor | None:
     """Collective over the prefill pool's ranks, each holding ``payload`` (its heads of
     the blocks, ``[layers, 2, blocks, row]``): rank 0 gets every head,
-    ``[layers, 2, blocks, block_size, kv_heads, dim]``; the other ranks get None."""
+    ``[layers, 2, blocks, kv_heads, block_size, dim]``; the other ranks get None."""
     mine = layout.heads(tp.rank)
     if tp.size == 1:
         return _as_heads(payload, block_size, mine.kv_count)
@@ -69,7 +70,7 @@ def gather_heads(
         return None
     layers, two, blocks, _ = payload.shape
     full = payload.new_empty(
-        (layers, two, blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        (layers, two, blocks, layout.num_kv_heads, block_size, layout.head_dim)
     )
     for rank, heads in sources:
         if rank == 0:
@@ -80,14 +81,14 @@ def gather_heads(
             )
             dist.recv(part, src=rank)
         span = slice(heads.kv_first, heads.kv_first + heads.kv_count)
-        full[:, :, :, :, span] = _as_heads(part, block_size, heads.kv_count)
+        full[:, :, :, span] = _as_heads(part, block_size, heads.kv_count)
     return full
 
 
 def heads_for(full: torch.Tensor, heads: Heads) -> torch.Tensor:
     """One decode rank's heads of ``gather_heads``' result as ``[layers, 2, blocks, row]``
     (its cache's block rows)."""
-    part = full[:, :, :, :, heads.kv_first : heads.kv_first + heads.kv_count]
+    part = full[:, :, :, heads.kv_first : heads.kv_first + heads.kv_count]
     return part.contiguous().view(full.shape[0], full.shape[1], full.shape[2], -1)
 
 
@@ -121,7 +122,7 @@ class KVPuller:
 
     def _source_caches(self, rank: int, kv_count: int) -> list[torch.Tensor]:
         """Prefill rank ``rank``'s caches, mapped on first use (the pools are ready by
-        then, so the segment exists), as ``[2, blocks, block_size, heads, dim]`` each."""
+        then, so the segment exists), as ``[2, blocks, heads, block_size, dim]`` each."""
         if rank not in self._views:
             segment = map_segment(segment_name(self._service_id, prefill_segment(rank)))
             self._segments[rank] = segment
@@ -133,7 +134,7 @@ class KVPuller:
             flat = torch.frombuffer(segment.buf, dtype=dtype, count=per_layer * layers)
             self._views[rank] = [
                 flat[i * per_layer : (i + 1) * per_layer].view(
-                    2, blocks, self._block_size, kv_count, self._head_dim
+                    2, blocks, kv_count, self._block_size, self._head_dim
                 )
                 for i in range(layers)
             ]
@@ -142,7 +143,7 @@ class KVPuller:
     def pull(self, order: KVReceive) -> None:
         """Copy the order's blocks now (the engine holds them on the prefill side until
         this rank reports)."""
-        mine, block_size = self._mine, self._block_size
+        mine = self._mine
         src_index = torch.tensor(order.src_block_ids, dtype=torch.long)
         dst_index = torch.tensor(order.block_ids, dtype=torch.long)
         num_bytes = 0
@@ -154,9 +155,8 @@ class KVPuller:
             for cache, src in zip(
                 self._caches, self._source_caches(rank, heads.kv_count), strict=True
             ):
-                dst = cache.view(2, -1, block_size, mine.kv_count, self._head_dim)
-                part = src.index_select(1, src_index)[:, :, :, src_span]
-                dst[:, :, :, dst_span].index_copy_(1, dst_index, part)  # a strided view
+                part = src.index_select(1, src_index)[:, :, src_span]
+                cache[:, :, dst_span].index_copy_(1, dst_index, part)  # a strided view
                 num_bytes += part.numel() * part.element_size()
         self._results.append(KVTransferResult(order.transfer_id, True, None, num_bytes))
 

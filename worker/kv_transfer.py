@@ -78,27 +78,25 @@ class _Header(msgspec.Struct, array_like=True):
     crc32: int
 
 
-def _block_rows(cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One layer's cache as ``[2, num_blocks, block_size * kv_heads * dim]`` (a view)."""
-    return cache.view(cache.shape[0], cache.shape[1] // block_size, -1)
+def _block_rows(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's cache as ``[2, num_blocks, kv_heads * block_size * dim]`` (a view)."""
+    return cache.flatten(2)
 
 
-def gather_blocks(caches: list[torch.Tensor], blocks: list[int], block_size: int) -> torch.Tensor:
-    """``[layers, 2, len(blocks), block_size * kv_heads * dim]``: one contiguous copy."""
+def gather_blocks(caches: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    """``[layers, 2, len(blocks), kv_heads * block_size * dim]``: one contiguous copy."""
     index = torch.tensor(blocks, dtype=torch.long)
-    first = _block_rows(caches[0], block_size)
+    first = _block_rows(caches[0])
     out = torch.empty((len(caches), 2, len(blocks), first.shape[2]), dtype=first.dtype)
     for layer, cache in enumerate(caches):
-        torch.index_select(_block_rows(cache, block_size), 1, index, out=out[layer])
+        torch.index_select(_block_rows(cache), 1, index, out=out[layer])
     return out
 
 
-def scatter_layer(
-    cache: torch.Tensor, rows: torch.Tensor, blocks: list[int], block_size: int
-) -> None:
+def scatter_layer(cache: torch.Tensor, rows: torch.Tensor, blocks: list[int]) -> None:
     """Write one layer's ``[2, len(blocks), row]`` into ``blocks`` of its cache."""
     index = torch.tensor(blocks, dtype=torch.long)
-    _block_rows(cache, block_size).index_copy_(1, index, rows)
+    _block_rows(cache).index_copy_(1, index, rows)
 
 
 def _crc32(frames: list[memoryview]) -> int:
@@ -143,7 +141,7 @@ class KVSender:
         """Copy the order's blocks now; the bytes leave from the sender thread. With
         tensor parallelism every prefill rank calls this in the same step (a collective)
         and rank 0 sends each decode rank its heads."""
-        payload = gather_blocks(caches, order.block_ids, self._block_size)
+        payload = gather_blocks(caches, order.block_ids)
         reshard = self._reshard
         if reshard is None:
             self._work.put((order.transfer_id, [(order.destinations[0], payload)]))
@@ -227,14 +225,12 @@ class KVReceiver:
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         caches: list[torch.Tensor],
-        block_size: int,
         bind_address: str,
         advertise_host: str = "",
         secure: Secure | None = None,
     ) -> None:
         self._ctx = ctx
         self._caches = caches
-        self._block_size = block_size
         self._lock = threading.Lock()
         self._expected: dict[str, KVReceive] = {}
         self._early: OrderedDict[str, tuple[_Header, list[zmq.Frame]]] = OrderedDict()
@@ -322,12 +318,7 @@ class KVReceiver:
                 warnings.simplefilter("ignore", UserWarning)
                 for cache, view in zip(self._caches, views, strict=True):
                     rows = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
-                    scatter_layer(
-                        cache,
-                        rows.view(2, header.num_blocks, -1),
-                        order.block_ids,
-                        self._block_size,
-                    )
+                    scatter_layer(cache, rows.view(2, header.num_blocks, -1), order.block_ids)
         self._results.put(
             KVTransferResult(order.transfer_id, error is None, error, header.num_bytes)
         )

@@ -68,7 +68,6 @@ def attach_kv_transport(
     receiver = KVReceiver(
         ctx,
         runner.kv_caches,
-        runner.block_size,
         disagg.kv_transfer_address,
         disagg.kv_transfer_host,
         keys.make_server if keys else None,

@@ -101,7 +101,7 @@ class ModelRunner:
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
             cache.kv_cache_gb, dtype
         )
-        layer_shape = self.model.kv_cache_shape(self.num_kv_blocks * self.block_size)
+        layer_shape = self.model.kv_cache_shape(self.num_kv_blocks, self.block_size)
         self.shared: SharedCaches | None = None
         if kv_segment is not None:
             if device.type != "cpu":
@@ -125,10 +125,8 @@ class ModelRunner:
         )
 
     def _blocks_for_memory(self, gib: float, dtype: torch.dtype) -> int:
-        one_slot = 1
-        for dim in self.model.kv_cache_shape(1):
-            one_slot *= dim
-        bytes_per_block = one_slot * self.model.num_layers * self.block_size * dtype.itemsize
+        one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
+        bytes_per_block = one_block * self.model.num_layers * dtype.itemsize
         blocks = int(gib * (1 << 30)) // bytes_per_block
         if blocks < 1:
             raise ValueError(

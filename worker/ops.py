@@ -31,7 +31,7 @@ class Ops(Protocol):
     def write_kv(
         self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """``kv_cache[0, slots] = k; kv_cache[1, slots] = v``."""
+        """Each token's K and V rows into its slot (``worker/attention.py``'s layout)."""
 
     def decode_attention(
         self,
@@ -92,8 +92,10 @@ class TorchOps:
     def write_kv(
         self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        kv_cache[0].index_copy_(0, slots, k)
-        kv_cache[1].index_copy_(0, slots, v)
+        block_size = kv_cache.shape[3]
+        blocks, rows = slots // block_size, slots % block_size
+        kv_cache[0, blocks, :, rows] = k  # indices split by a slice: [n, kv_heads, dim]
+        kv_cache[1, blocks, :, rows] = v
 
     def decode_attention(
         self,

@@ -41,7 +41,7 @@ def test_logits_on_cuda_match_transformers(family: tuple[Path, PreTrainedModel])
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(checkpoint, torch.float32, CUDA, TorchOps())
     caches = [
-        torch.zeros(model.kv_cache_shape(64 * BLOCK), device=CUDA) for _ in range(model.num_layers)
+        torch.zeros(model.kv_cache_shape(64, BLOCK), device=CUDA) for _ in range(model.num_layers)
     ]
     gen = torch.Generator().manual_seed(3)
     a = torch.randint(0, 128, (13,), generator=gen).tolist()

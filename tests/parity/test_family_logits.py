@@ -45,7 +45,7 @@ class Paged:
     def __init__(self, checkpoint: Path, ops: Ops, num_blocks: int = 64) -> None:
         self.model = load_model(checkpoint, torch.float32, torch.device("cpu"), ops)
         self.caches = [
-            torch.zeros(self.model.kv_cache_shape(num_blocks * BLOCK))
+            torch.zeros(self.model.kv_cache_shape(num_blocks, BLOCK))
             for _ in range(self.model.num_layers)
         ]
 

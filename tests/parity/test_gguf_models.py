@@ -44,7 +44,7 @@ class Batch:
         self.model, self.seqs = model, [list(p) for p in prompts]
         per_seq = 8  # blocks
         self.blocks = [list(range(per_seq * i, per_seq * (i + 1))) for i in range(len(prompts))]
-        shape = model.kv_cache_shape(per_seq * len(prompts) * BLOCK)
+        shape = model.kv_cache_shape(per_seq * len(prompts), BLOCK)
         self.caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
 
     @torch.inference_mode()

@@ -31,7 +31,7 @@ def run_scenario(
     of both; returns every step's logits and the final sequences."""
     ops: Ops = NativeOps(load_native_kernels()) if ops_name == "native" else TorchOps()
     model = load_model(checkpoint, torch.float32, torch.device("cpu"), ops, tp)
-    caches = [torch.zeros(model.kv_cache_shape(32 * BLOCK)) for _ in range(model.num_layers)]
+    caches = [torch.zeros(model.kv_cache_shape(32, BLOCK)) for _ in range(model.num_layers)]
     blocks = {"a": [9, 2, 14, 5, 20], "b": [7, 30, 1, 11]}
     seqs = {"a": list(A), "b": list(B)}
 

@@ -46,7 +46,7 @@ def our_logprobs_fn(model_dir: Path) -> LogprobsFn:
     def fn(ids: list[int]) -> torch.Tensor:
         blocks = list(range(len(ids) // 16 + 1))
         caches = [
-            torch.zeros(model.kv_cache_shape(len(blocks) * 16)) for _ in range(model.num_layers)
+            torch.zeros(model.kv_cache_shape(len(blocks), 16)) for _ in range(model.num_layers)
         ]
         meta = build_metadata([blocks], [0], [len(ids)], 16, torch.device("cpu"))
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)

@@ -82,7 +82,7 @@ def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: P
     lengths = [int(n) for n in torch.randint(3, 14, (10,), generator=gen)]
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
     blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
-    shape = model.kv_cache_shape(8 * len(prompts) * BLOCK)
+    shape = model.kv_cache_shape(8 * len(prompts), BLOCK)
     caches = {
         side: [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
         for side in ("fused", "python")

@@ -28,11 +28,11 @@ def test_every_kv_head_has_exactly_one_source_rank() -> None:
 
 
 def test_a_decode_rank_is_sent_exactly_its_heads() -> None:
-    full = torch.randn(LAYERS, 2, 3, BLOCK, 3, DIM)
+    full = torch.randn(LAYERS, 2, 3, 3, BLOCK, DIM)  # [layers, 2, blocks, heads, B, D]
     rank1 = KVLayout(9, 3, DIM, 2).heads(1)  # KV heads 1 and 2
     part = heads_for(full, rank1)
-    assert part.shape == (LAYERS, 2, 3, BLOCK * 2 * DIM)
-    assert torch.equal(part.view(LAYERS, 2, 3, BLOCK, 2, DIM), full[:, :, :, :, 1:3])
+    assert part.shape == (LAYERS, 2, 3, 2 * BLOCK * DIM)
+    assert torch.equal(part.view(LAYERS, 2, 3, 2, BLOCK, DIM), full[:, :, :, 1:3])
 
 
 @pytest.fixture
@@ -46,11 +46,11 @@ def service() -> Iterator[str]:
 def prefill_caches(
     service_id: str, layout: KVLayout, full: list[torch.Tensor], num_blocks: int
 ) -> None:
-    """Write each prefill rank's heads of ``full`` (per layer ``[2, blocks, BLOCK, H, D]``)
+    """Write each prefill rank's heads of ``full`` (per layer ``[2, blocks, H, BLOCK, D]``)
     into its segment, laid out as that rank's caches are."""
     for rank in range(layout.tp_size):
         heads = layout.heads(rank)
-        shape = (2, num_blocks * BLOCK, heads.kv_count, DIM)
+        shape = (2, num_blocks, heads.kv_count, BLOCK, DIM)
         per_layer = 2 * num_blocks * BLOCK * heads.kv_count * DIM
         segment = attach_segment(
             segment_name(service_id, prefill_segment(rank)), per_layer * LAYERS * 4
@@ -58,7 +58,7 @@ def prefill_caches(
         flat = torch.frombuffer(segment.buf, dtype=torch.float32, count=per_layer * LAYERS)
         for layer in range(LAYERS):
             span = slice(heads.kv_first, heads.kv_first + heads.kv_count)
-            rows = full[layer][:, :, :, span].reshape(shape)
+            rows = full[layer][:, :, span]
             flat[layer * per_layer : (layer + 1) * per_layer].view(shape).copy_(rows)
         del flat
         segment.close()
@@ -74,13 +74,13 @@ def test_decode_ranks_pull_their_heads_into_the_blocks_given(
 ) -> None:
     num_heads, num_kv_heads = heads
     src_blocks, dst_blocks, num_blocks = [5, 1, 6], [0, 3, 2], 8
-    full = [torch.randn(2, num_blocks, BLOCK, num_kv_heads, DIM) for _ in range(LAYERS)]
+    full = [torch.randn(2, num_blocks, num_kv_heads, BLOCK, DIM) for _ in range(LAYERS)]
     source = KVLayout(num_heads, num_kv_heads, DIM, prefill_tp)
     prefill_caches(service, source, full, num_blocks)
     dest = KVLayout(num_heads, num_kv_heads, DIM, decode_tp)
     for rank in range(decode_tp):
         mine = dest.heads(rank)
-        caches = [torch.zeros(2, 4 * BLOCK, mine.kv_count, DIM) for _ in range(LAYERS)]
+        caches = [torch.zeros(2, 4, mine.kv_count, BLOCK, DIM) for _ in range(LAYERS)]
         puller = KVPuller(service, source, mine, caches, BLOCK)
         puller.pull(KVReceive("t#0", dst_blocks, [1, 1, 1], src_block_ids=src_blocks))
         [result] = puller.take_results()
@@ -88,8 +88,8 @@ def test_decode_ranks_pull_their_heads_into_the_blocks_given(
         expected_bytes = LAYERS * 2 * len(src_blocks) * BLOCK * mine.kv_count * DIM * 4
         assert (result.transfer_id, result.ok, result.num_bytes) == ("t#0", True, expected_bytes)
         for layer in range(LAYERS):
-            got = caches[layer].view(2, 4, BLOCK, mine.kv_count, DIM)
+            got = caches[layer]
             for src, dst in zip(src_blocks, dst_blocks, strict=True):
-                assert torch.equal(got[:, dst], full[layer][:, src, :, span])
+                assert torch.equal(got[:, dst], full[layer][:, src, span])
             assert not got[:, 1].any()  # a block not in the order is untouched
         puller.close()

@@ -18,7 +18,8 @@ BLOCK = 16
 def reference(
     q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], lens: list[int], window: int
 ) -> torch.Tensor:
-    """float64, one sequence at a time, straight from the definition."""
+    """float64, one sequence at a time, straight from the definition; ``cache`` by slot,
+    ``[2, slots, kv_heads, dim]``."""
     out = []
     heads, kv_heads = q.shape[1], cache.shape[2]
     for i, (blocks, length) in enumerate(zip(tables, lens, strict=True)):
@@ -53,7 +54,9 @@ def test_kernel_matches_reference_and_torch_path(
     kernels = load_native_kernels()
     gen = torch.Generator().manual_seed(heads * dim + window)
     num_blocks = 60
-    cache = torch.randn(2, num_blocks * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    by_slot = torch.randn(2, num_blocks * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    # The cache's layout: [2, blocks, kv_heads, BLOCK, dim]
+    cache = by_slot.view(2, num_blocks, BLOCK, kv_heads, dim).transpose(2, 3).contiguous()
     lens = [1, 17, 64, 100, 37, 250]  # 250: sixteen tiles, the last one short
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
@@ -65,7 +68,7 @@ def test_kernel_matches_reference_and_torch_path(
     table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
     scale = dim**-0.5
     ours = kernels.decode_attention(q, cache, table, torch.tensor(lens), scale, window, BLOCK)
-    exact = reference(q, cache, tables, lens, window)
+    exact = reference(q, by_slot, tables, lens, window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     assert (ours.double() - exact).abs().max() < tol
 
@@ -74,7 +77,7 @@ def test_kernel_matches_reference_and_torch_path(
         tables, [n - 1 for n in lens], [1] * len(lens), BLOCK, torch.device("cpu")
     )
     slots = meta.slot_mapping
-    k_last, v_last = cache[0, slots].clone(), cache[1, slots].clone()
+    k_last, v_last = by_slot[0, slots].clone(), by_slot[1, slots].clone()
     torch_path = paged_attention(
         q, k_last, v_last, cache.clone(), meta, TorchOps(), scale, window or None
     )
@@ -87,7 +90,7 @@ def test_kernel_matches_reference_and_torch_path(
 
 def test_kernel_refuses_out_of_range_metadata() -> None:
     kernels = load_native_kernels()
-    cache = torch.zeros(2, 4 * BLOCK, 1, 8)
+    cache = torch.zeros(2, 4, 1, BLOCK, 8)
     q = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
         kernels.decode_attention(q, cache, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, BLOCK)
@@ -95,5 +98,5 @@ def test_kernel_refuses_out_of_range_metadata() -> None:
         kernels.decode_attention(q, cache, torch.tensor([[1]]), torch.tensor([17]), 1.0, 0, BLOCK)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.decode_attention(
-            q, cache[:, ::2], torch.tensor([[1]]), torch.tensor([3]), 1.0, 0, BLOCK
+            q, cache[:, :, :, ::2], torch.tensor([[1]]), torch.tensor([3]), 1.0, 0, BLOCK // 2
         )

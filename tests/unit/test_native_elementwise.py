@@ -12,16 +12,21 @@ from worker.ops import TorchOps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_equals_index_copy(dtype: torch.dtype) -> None:
+def test_write_kv_puts_each_head_row_in_its_block(dtype: torch.dtype) -> None:
     kernels = load_native_kernels()
     qkv = torch.randn(5, 9 + 2 * 3, 16).to(dtype)  # k and v are strided views, as in the model
     k, v = qkv[:, 9:12], qkv[:, 12:]
     slots = torch.tensor([40, 3, 17, 0, 63])
-    ours, ref = torch.zeros(2, 64, 3, 16, dtype=dtype), torch.zeros(2, 64, 3, 16, dtype=dtype)
+    ours = torch.zeros(2, 8, 3, 8, 16, dtype=dtype)  # 8 blocks of 8 slots, 3 KV heads
     kernels.write_kv(ours, slots, k, v)
-    ref[0].index_copy_(0, slots, k)
-    ref[1].index_copy_(0, slots, v)
+    ref = torch.zeros_like(ours)
+    for i, slot in enumerate(slots.tolist()):  # slot 40: block 5, row 0 of every head
+        ref[0, slot // 8, :, slot % 8] = k[i]
+        ref[1, slot // 8, :, slot % 8] = v[i]
     assert torch.equal(ours, ref)
+    torch_path = torch.zeros_like(ours)
+    TorchOps().write_kv(torch_path, slots, k, v)
+    assert torch.equal(torch_path, ref)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv(ours, torch.tensor([0, 1, 2, 3, 64]), k, v)
 
@@ -60,13 +65,13 @@ def test_every_kernel_refuses_tensors_off_the_cpu() -> None:
     meta = torch.empty(4, 2, 8, device="meta")
     calls = {
         "write_kv": lambda: kernels.write_kv(
-            torch.empty(2, 8, 2, 8, device="meta"), torch.zeros(4, dtype=torch.long), meta, meta
+            torch.empty(2, 1, 2, 8, 8, device="meta"), torch.zeros(4, dtype=torch.long), meta, meta
         ),
         "rotary": lambda: kernels.rotary_(meta, torch.ones(4, 8), torch.ones(4, 8), 2),
         "silu_mul": lambda: kernels.silu_mul(torch.empty(4, 16, device="meta")),
         "rms_norm": lambda: kernels.rms_norm(meta, torch.ones(8), 1e-6, False),
         "decode_attention": lambda: kernels.decode_attention(
-            meta, torch.zeros(2, 16, 2, 8), torch.zeros(4, 1, dtype=torch.long),
+            meta, torch.zeros(2, 1, 2, 16, 8), torch.zeros(4, 1, dtype=torch.long),
             torch.ones(4, dtype=torch.long), 1.0, 0, 16,
         ),
     }  # fmt: skip

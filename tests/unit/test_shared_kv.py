@@ -59,8 +59,8 @@ def test_a_hand_off_through_shared_memory_copies_nothing(checkpoint: Path, segme
     start, end = decode.shared.address_range()
     for cache in decode.kv_caches:  # the decode worker's KV is the segment's memory
         assert start <= cache.data_ptr() and cache.data_ptr() + cache.nbytes <= end
-    prefill.kv_caches[1][0, 7, 0, 0] = 42.0  # one write, seen through the other mapping
-    assert decode.kv_caches[1][0, 7, 0, 0] == 42.0
+    prefill.kv_caches[1][0, 7, 0, 0, 0] = 42.0  # one write, seen through the other mapping
+    assert decode.kv_caches[1][0, 7, 0, 0, 0] == 42.0
     prefill.kv_caches[1].zero_()
 
     prompt = [3, 17, 5, 99, 23, 8, 64, 2, 41, 7]

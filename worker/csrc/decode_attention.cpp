@@ -10,8 +10,10 @@
 // are converted in registers, every head's accumulators held there across the tile; other
 // groups go through the tile too. Elsewhere one task per sequence runs the plain loops.
 //
-// kv_cache: [2, num_slots, kv_heads, head_dim], contiguous (slot = block * block_size +
-// offset); q: [n, heads, head_dim] contiguous; block_table: [n, max_blocks] int64;
+// kv_cache: [2, num_blocks, kv_heads, block_size, head_dim], contiguous: a block holds each
+// KV head's rows side by side, so one task's rows of a block are one contiguous run (the
+// hardware prefetcher follows it; rows interleaved by head it did not). q: [n, heads,
+// head_dim] contiguous; block_table: [n, max_blocks] int64;
 // context_lens: [n] int64 (the query is the last position). window > 0 limits each
 // query to its last `window` positions (sliding-window layers).
 #include <ATen/ATen.h>
@@ -32,7 +34,7 @@ using tandem::softmax_numerators;
 template <typename T>
 struct Problem {
   const T* q;  // [n, heads, dim]
-  const T* k;  // [num_slots, kv_heads, dim]
+  const T* k;  // [num_blocks, kv_heads, block_size, dim]
   const T* v;
   const int64_t* table;  // [n, max_blocks]
   const int64_t* lens;
@@ -41,14 +43,16 @@ struct Problem {
   float scale;
 
   int64_t group() const { return heads / kv_heads; }
-  int64_t row_len() const { return kv_heads * dim; }
   int64_t first(int64_t seq) const {
     return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
   }
-  // Offset of token t's row of sequence seq in the cache.
-  int64_t row(int64_t seq, int64_t t) const {
-    const int64_t block = table[seq * max_blocks + t / block_size];
-    return (block * block_size + t % block_size) * row_len();
+  // Offset of the row of KV head g at `offset` in `block`.
+  int64_t at(int64_t block, int64_t g, int64_t offset) const {
+    return ((block * kv_heads + g) * block_size + offset) * dim;
+  }
+  // Offset of token t's row of KV head g of sequence seq.
+  int64_t row(int64_t seq, int64_t t, int64_t g) const {
+    return at(table[seq * max_blocks + t / block_size], g, t % block_size);
   }
 };
 
@@ -110,7 +114,7 @@ inline void accumulate_values(const Problem<T>& p, int64_t seq, int64_t g, int64
       for (int w = 0; w < W; ++w) a[h][w] = _mm512_loadu_ps(acc + h * p.dim + c0 + w * kLanes);
     int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
     for (int64_t i = 0; i < count; ++i) {
-      const T* src = p.v + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim + c0;
+      const T* src = p.v + p.at(blocks[block], g, offset) + c0;
       __m512 v[W];
       for (int w = 0; w < W; ++w) v[w] = load_lanes(src + w * kLanes);
       for (int h = 0; h < G; ++h) {
@@ -133,7 +137,7 @@ inline void load_tile(const Problem<T>& p, const T* cache, int64_t seq, int64_t 
   const int64_t* blocks = p.table + seq * p.max_blocks;
   int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
   for (int64_t i = 0; i < count; ++i) {
-    const T* src = cache + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim;
+    const T* src = cache + p.at(blocks[block], g, offset);
     for (int64_t j = 0; j < p.dim; j += kLanes) _mm512_storeu_ps(tile + i * p.dim + j, load_lanes(src + j));
     if (++offset == p.block_size) offset = 0, ++block;
   }
@@ -151,7 +155,7 @@ inline void prefetch_tile(const Problem<T>& p, const T* cache, int64_t seq, int6
   const int64_t bytes = p.dim * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < count; ++i) {
     const char* src = reinterpret_cast<const char*>(
-        cache + (blocks[block] * p.block_size + offset) * p.row_len() + g * p.dim);
+        cache + p.at(blocks[block], g, offset));
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(src + b, _MM_HINT_T0);
     if (++offset == p.block_size) offset = 0, ++block;
   }
@@ -225,8 +229,7 @@ void attend_tiled(const Problem<T>& p) {
 }
 #endif
 
-// One task per sequence: each K/V row (all KV heads, contiguous) is read once and serves
-// every query head.
+// One task per sequence: each KV head's row is read once and serves its query heads.
 template <typename T>
 void attend_plain(const Problem<T>& p) {
   const int64_t heads = p.heads, dim = p.dim, group = p.group();
@@ -237,18 +240,14 @@ void attend_plain(const Problem<T>& p) {
       scores.resize(heads * span);
       const T* q_seq = p.q + seq * heads * dim;
       for (int64_t j = 0; j < heads * dim; ++j) queries[j] = static_cast<float>(q_seq[j]) * p.scale;
-      for (int64_t t = first; t < len; ++t) {
-        const T* key = p.k + p.row(seq, t);
+      for (int64_t t = first; t < len; ++t)
         for (int64_t h = 0; h < heads; ++h)
-          scores[h * span + (t - first)] = dot(queries.data() + h * dim, key + (h / group) * dim, dim);
-      }
+          scores[h * span + (t - first)] = dot(queries.data() + h * dim, p.k + p.row(seq, t, h / group), dim);
       for (int64_t h = 0; h < heads; ++h) inv[h] = 1.f / softmax_numerators(scores.data() + h * span, span);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const T* value = p.v + p.row(seq, t);
+      for (int64_t t = first; t < len; ++t)
         for (int64_t h = 0; h < heads; ++h)
-          add_scaled(acc.data() + h * dim, scores[h * span + (t - first)], value + (h / group) * dim, dim);
-      }
+          add_scaled(acc.data() + h * dim, scores[h * span + (t - first)], p.v + p.row(seq, t, h / group), dim);
       T* dst = p.out + seq * heads * dim;
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < dim; ++j) dst[h * dim + j] = static_cast<T>(acc[h * dim + j] * inv[h]);
@@ -260,9 +259,9 @@ template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& context_lens,
                            at::Tensor& out, double scale, int64_t window, int64_t block_size) {
-  const int64_t num_slots = kv_cache.size(1), kv_heads = kv_cache.size(2), dim = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), kv_heads = kv_cache.size(2), dim = q.size(2);
   const T* k = kv_cache.data_ptr<T>();
-  const Problem<T> p{q.data_ptr<T>(), k, k + num_slots * kv_heads * dim,
+  const Problem<T> p{q.data_ptr<T>(), k, k + num_blocks * kv_heads * block_size * dim,
                      block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                      out.data_ptr<T>(), q.size(0), q.size(1), kv_heads, dim,
                      block_table.size(1), block_size, window, static_cast<float>(scale)};
@@ -279,10 +278,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             double scale, int64_t window, int64_t block_size) {
   tandem::check_cpu("decode_attention", q, kv_cache, block_table, context_lens);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [n, heads, dim]");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, slots, kv_heads, dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
-  TORCH_CHECK(q.size(2) == kv_cache.size(3) && q.size(1) % kv_cache.size(2) == 0,
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(2) == 0,
               "head shapes of q and kv_cache do not match");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
                   block_table.dim() == 2 && block_table.size(0) == q.size(0),
@@ -290,10 +289,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
                   context_lens.numel() == q.size(0),
               "context_lens must be contiguous int64 [n]");
-  TORCH_CHECK(block_size > 0 && kv_cache.size(1) % block_size == 0, "bad block_size");
+  TORCH_CHECK(block_size == kv_cache.size(3), "block_size does not match kv_cache's");
   // Indices come from the runner's own metadata; checked anyway, since a bad one would
   // read outside the cache.
-  const int64_t num_blocks = kv_cache.size(1) / block_size, max_blocks = block_table.size(1);
+  const int64_t num_blocks = kv_cache.size(1), max_blocks = block_table.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t i = 0; i < q.size(0); ++i) {

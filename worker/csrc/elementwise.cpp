@@ -14,33 +14,39 @@
 using tandem::check_cpu;
 using tandem::dispatch_float_types;
 
-// kv_cache[0, slots[i]] = k[i]; kv_cache[1, slots[i]] = v[i]  (k, v: [n, kv_heads, dim]).
+// Token slot s = block * B + offset of a layer's cache [2, num_blocks, kv_heads, B, dim]
+// (each KV head's rows of a block contiguous): for every head h,
+// kv_cache[0, block, h, offset] = k[i, h] and kv_cache[1, ...] = v[i, h]  (k, v: [n, kv_heads, dim]).
 void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
   check_cpu("write_kv", kv_cache, slots, k, v);
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
-              "kv_cache must be contiguous [2, slots, kv_heads, dim]");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "kv_cache must be contiguous [2, num_blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
               "slots must be contiguous int64 [n]");
-  const int64_t n = slots.size(0), num_slots = kv_cache.size(1);
-  const int64_t row = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t n = slots.size(0), kv_heads = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t num_slots = kv_cache.size(1) * block_size, dim = kv_cache.size(4);
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) * t->size(2) == row &&
-                    t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == kv_heads && t->size(2) == dim &&
+                    t->stride(2) == 1 && t->stride(1) == dim &&
                     t->scalar_type() == kv_cache.scalar_type(),
                 "k and v must be [n, kv_heads, dim] with contiguous rows, like kv_cache");
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of range");
-  const int64_t bytes = row * kv_cache.element_size();
+  const int64_t elem = kv_cache.element_size(), bytes = dim * elem;
+  const int64_t half = num_slots * kv_heads * bytes;  // K, then V
   char* keys = static_cast<char*>(kv_cache.data_ptr());
-  char* values = keys + num_slots * bytes;
   const char* k_data = static_cast<const char*>(k.data_ptr());
   const char* v_data = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
   for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(keys + slot[i] * bytes, k_data + i * k_stride, bytes);
-    std::memcpy(values + slot[i] * bytes, v_data + i * v_stride, bytes);
+    const int64_t block = slot[i] / block_size, offset = slot[i] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t dst = ((block * kv_heads + h) * block_size + offset) * bytes;
+      std::memcpy(keys + dst, k_data + i * k_stride + h * bytes, bytes);
+      std::memcpy(keys + half + dst, v_data + i * v_stride + h * bytes, bytes);
+    }
   }
 }
 

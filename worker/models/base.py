@@ -48,8 +48,9 @@ class CausalLM(nn.Module):
         """(query heads, KV heads, head dim) of the whole model, every rank's together."""
         raise NotImplementedError
 
-    def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache holding ``num_slots`` tokens."""
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache of ``num_blocks`` blocks of ``block_size`` tokens
+        (``worker/attention.py`` has the layout)."""
         raise NotImplementedError
 
     def forward(

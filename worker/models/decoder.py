@@ -236,9 +236,9 @@ class DecoderLM(CausalLM):
     def attention_shape(self) -> tuple[int, int, int]:
         return self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
 
-    def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         kv_heads = self.tp.heads(self.args.num_heads, self.args.num_kv_heads).kv_count
-        return (2, num_slots, kv_heads, self.args.head_dim)
+        return (2, num_blocks, kv_heads, block_size, self.args.head_dim)
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, length) of this rank's slice of checkpoint tensor ``name``;
