@@ -1,4 +1,6 @@
-"""Waiting queues: first come first served, or by priority with aging.
+"""Waiting queues: first come first served, or by priority with aging. The queue is the
+scheduling policy, chosen once (``make_queue``): it also ranks running requests for
+preemption (``urgency``).
 
 Priority (lower runs first, as in vLLM) ages: a request's effective priority improves
 by one for every ``aging_s`` seconds it has waited, so no request waits forever behind
@@ -15,10 +17,15 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from common.config import SchedulerConfig
 from engine_core.request import Request
 
 
 class RequestQueue(Protocol):
+    def urgency(self, request: Request) -> tuple[int, float]:
+        """Sort key of running requests, most urgent first (the last is preempted)."""
+        ...
+
     def add(self, request: Request) -> None: ...
     def readd_preempted(self, request: Request) -> None: ...
     def peek(self) -> Request: ...
@@ -28,9 +35,18 @@ class RequestQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
+def make_queue(config: SchedulerConfig) -> RequestQueue:
+    if config.scheduling_policy == "priority":
+        return PriorityQueue(config.priority_aging_s)
+    return FcfsQueue()
+
+
 class FcfsQueue:
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
+
+    def urgency(self, request: Request) -> tuple[int, float]:
+        return 0, request.arrival_time
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
@@ -64,6 +80,9 @@ class PriorityQueue:
 
     def key(self, request: Request) -> float:
         return request.priority + request.arrival_time / self._aging_s
+
+    def urgency(self, request: Request) -> tuple[int, float]:
+        return request.priority, request.arrival_time
 
     def add(self, request: Request) -> None:
         heapq.heappush(

@@ -49,7 +49,8 @@ from engine_core.batching import make_batching
 from engine_core.iteration_tokens import IterationTokens
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
-from engine_core.request_queue import FcfsQueue, PriorityQueue, RequestQueue
+from engine_core.request_limits import RequestLimits
+from engine_core.request_queue import RequestQueue, make_queue
 from engine_core.steps_in_flight import StepsInFlight
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,8 @@ class Scheduler:
         self._handoffs: list[Request] = []
         self._in_flight = StepsInFlight()
         self._stalled = False  # scheduling ahead found too few KV blocks
-        self.waiting: RequestQueue = (
-            PriorityQueue(config.priority_aging_s)
-            if config.scheduling_policy == "priority"
-            else FcfsQueue()
-        )
+        self.limits = RequestLimits(model, kv, config.max_waiting_requests)
+        self.waiting: RequestQueue = make_queue(config)
         self.running: list[Request] = []
         # Without chunking a prompt runs whole in one step, whatever the budget says.
         self._step_budget = config.max_num_batched_tokens
@@ -102,7 +100,9 @@ class Scheduler:
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it cannot be queued."""
         self.num_requests_total += 1
-        error = self._admission_error(request)
+        error = self.limits.admission_error(
+            request, request.request_id in self.requests, len(self.waiting)
+        )
         if error is not None:
             kind, message = error
             logger.warning("[%s] refused: %s", request.request_id, message)
@@ -112,27 +112,6 @@ class Scheduler:
         request.received_time = self._clock()
         self.waiting.add(request)
         self.batching.arrived()
-        return None
-
-    def _admission_error(self, request: Request) -> tuple[ErrorKind, str] | None:
-        if request.request_id in self.requests:
-            return ErrorKind.INVALID, f"request id {request.request_id} is already in use"
-        if request.num_prompt_tokens == 0:
-            return ErrorKind.INVALID, "the prompt is empty"
-        limit = self.model.max_model_len
-        if request.num_prompt_tokens >= limit:
-            return ErrorKind.INVALID, (
-                f"the prompt has {request.num_prompt_tokens} tokens; this model's context length is {limit} tokens"
-            )
-        if self.kv.num_blocks_for(request.num_prompt_tokens + 1) > self.kv.num_blocks:
-            return (
-                ErrorKind.INVALID,
-                f"the prompt needs more KV blocks than the whole cache holds ({self.kv.num_blocks})",
-            )
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            return ErrorKind.OVERLOADED, (
-                f"the queue is full ({self.config.max_waiting_requests} waiting requests); retry later"
-            )
         return None
 
     def accept(self, request: Request) -> None:
@@ -195,7 +174,7 @@ class Scheduler:
 
         # Most urgent first, so preemption victims (taken from the end) are never
         # requests already scheduled in this step.
-        self.running.sort(key=self._urgency)
+        self.running.sort(key=self.waiting.urgency)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -292,14 +271,10 @@ class Scheduler:
         if placeholders and (
             self.hands_off  # its prompt is done: it leaves this pool with that token
             or request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
-            or request.num_tokens + placeholders >= self._length_limit()
+            or request.num_tokens + placeholders >= self.limits.length_limit
         ):
             return 0  # the steps in flight end it
         return min(request.num_tokens_unscheduled, budget, self._prefill_cap)
-
-    def _urgency(self, request: Request) -> tuple[int, float]:
-        priority = request.priority if self.config.scheduling_policy == "priority" else 0
-        return priority, request.arrival_time
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and send it back to the waiting queue."""
@@ -349,7 +324,7 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
-            reason = self._stop_reason(request, token)
+            reason = self.limits.stop_reason(request, token)
             out = RequestOutput(request_id, [token], reason, logprobs=None if lp is None else [lp])
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
@@ -380,24 +355,6 @@ class Scheduler:
         scheduled = request.scheduled_time or received
         first = request.first_token_time or now
         return RequestTimings(scheduled - received, first - scheduled, now - first)
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.sampling_params
-        if not params.ignore_eos and token in self.model.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self._length_limit()
-        ):
-            return FinishReason.LENGTH
-        return None
-
-    def _length_limit(self) -> int:
-        # A request never outgrows the context or the whole KV cache (it could never
-        # be scheduled again).
-        return min(self.model.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def abort_requests(self, request_ids: list[str]) -> ClientOutputs:
         """Finish these requests with ABORT; unknown or finished ids are ignored."""
