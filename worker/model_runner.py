@@ -98,9 +98,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantized_from)
         self.model_info = read_model_info(model_dir, max_model_len)
-        self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(
-            cache.kv_cache_gb, dtype
-        )
+        one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
+        self.bytes_per_block = one_block * self.model.num_layers * dtype.itemsize
+        self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(cache.kv_cache_gb)
         layer_shape = self.model.kv_cache_shape(self.num_kv_blocks, self.block_size)
         self.shared: SharedCaches | None = None
         if kv_segment is not None:
@@ -110,9 +110,6 @@ class ModelRunner:
             self.kv_caches = self.shared.caches
         else:
             self.kv_caches = local_caches(layer_shape, self.model.num_layers, dtype, device)
-        self.bytes_per_block = (
-            math.prod(layer_shape) // self.num_kv_blocks * self.model.num_layers * dtype.itemsize
-        )
         self.requests: dict[str, RequestState] = {}
         self.kv_sender: KVSender | None = None
         self.kv_receiver: KVReceiver | None = None
@@ -124,13 +121,11 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens (%s)", self.num_kv_blocks, self.block_size, dtype
         )
 
-    def _blocks_for_memory(self, gib: float, dtype: torch.dtype) -> int:
-        one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
-        bytes_per_block = one_block * self.model.num_layers * dtype.itemsize
-        blocks = int(gib * (1 << 30)) // bytes_per_block
+    def _blocks_for_memory(self, gib: float) -> int:
+        blocks = int(gib * (1 << 30)) // self.bytes_per_block
         if blocks < 1:
             raise ValueError(
-                f"--kv-cache-gb {gib} holds no KV block ({bytes_per_block} bytes each)"
+                f"--kv-cache-gb {gib} holds no KV block ({self.bytes_per_block} bytes each)"
             )
         return blocks
 
