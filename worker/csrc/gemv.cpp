@@ -4,9 +4,8 @@
 // At batch 1-4 a projection is one pass over its weight, so its speed is the memory's.
 // oneDNN's prepacked matmul spends ~20-30 us a call in setup and reaches ~14 GB/s over a
 // model's projections here; this kernel streams the plain [out, in] weight with
-// AVX512-BF16 dot products (VDPBF16PS: bf16 pairs into float32 lanes), four output
-// rows at a time, prefetching the rows it reads next, and reaches the machine's read
-// bandwidth. It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD
+// AVX512-BF16 dot products (VDPBF16PS: bf16 pairs into float32 lanes), one output row
+// after another, and reaches the machine's read bandwidth. It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD
 // Zen 4 and later); where the compiler targets a CPU without it, has_bf16_gemv() is
 // false and the worker keeps oneDNN for every batch size.
 #include <ATen/ATen.h>
@@ -35,52 +34,53 @@ constexpr int64_t kMaxRows = 4;
 constexpr int64_t kAmxFromRows = 3;
 
 #if TANDEM_HAS_BF16_GEMV
-constexpr int64_t kRowBlock = 4;        // output rows per block: 4 x (up to 4) accumulators
-constexpr int64_t kPrefetchRows = 8;    // prefetch the block two blocks ahead
-constexpr int64_t kBlocksPerTask = 16;  // at::parallel_for grain, in blocks
+constexpr int64_t kUnroll = 4;          // independent sums per input row, so FMA latency overlaps
+constexpr int64_t kRowsPerTask = 64;    // at::parallel_for grain, in output rows
 
 inline __m512bh load_pairs(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-// y[m, r0 + j] for j < rows (<= kRowBlock) and m < M (a compile-time 1..kMaxRows).
+// y[m, r] for m < M (a compile-time 1..kMaxRows): one weight row read start to end.
+// Rows are read one after another, so each thread's reads are one ascending stream, which
+// the hardware prefetchers follow at the memory's speed. Reading 4 rows side by side
+// (4 streams a row apart) reached 20-22 GB/s on an AMD EPYC where this reaches 27-42;
+// software prefetches did not close that gap (docs/benchmarks.md).
 template <int M>
-void row_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t r0, int64_t rows,
-               int64_t N, const uint16_t* bias, uint16_t* y) {
-  __m512 acc[M][kRowBlock];
+void one_row(const uint16_t* x, const uint16_t* w_row, int64_t K, int64_t r, int64_t N,
+             const uint16_t* bias, uint16_t* y) {
+  __m512 acc[M][kUnroll];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kRowBlock; ++j) acc[m][j] = _mm512_setzero_ps();
-  const uint16_t* w0 = w + r0 * K;
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
-    const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * K + k);
-    for (int j = 0; j < kRowBlock; ++j) _mm_prefetch(ahead + j * K * 2, _MM_HINT_T0);
-    __m512bh wv[kRowBlock];
-    for (int j = 0; j < kRowBlock; ++j)
-      wv[j] = load_pairs(w0 + std::min<int64_t>(j, rows - 1) * K + k, mask);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = load_pairs(x + m * K + k, mask);
-      for (int j = 0; j < kRowBlock; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    for (int u = 0; u < kUnroll; ++u) acc[m][u] = _mm512_setzero_ps();
+  constexpr __mmask32 all = ~__mmask32{0};
+  int64_t k = 0;
+  for (; k + 32 * kUnroll <= K; k += 32 * kUnroll) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const __m512bh wv = load_pairs(w_row + k + 32 * u, all);
+      for (int m = 0; m < M; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_pairs(x + m * K + k + 32 * u, all), wv);
     }
   }
+  for (int u = 0; k < K; k += 32, ++u) {
+    const __mmask32 mask = K - k >= 32 ? all : (__mmask32{1} << (K - k)) - 1;
+    const __m512bh wv = load_pairs(w_row + k, mask);
+    for (int m = 0; m < M; ++m)
+      acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_pairs(x + m * K + k, mask), wv);
+  }
+  const float b =
+      bias != nullptr ? static_cast<float>(c10::BFloat16(bias[r], c10::BFloat16::from_bits())) : 0.0f;
   for (int m = 0; m < M; ++m) {
-    for (int64_t j = 0; j < rows; ++j) {
-      float sum = _mm512_reduce_add_ps(acc[m][j]);
-      if (bias != nullptr) sum += static_cast<float>(c10::BFloat16(bias[r0 + j], c10::BFloat16::from_bits()));
-      y[m * N + r0 + j] = c10::BFloat16(sum).x;
-    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                     _mm512_add_ps(acc[m][2], acc[m][3]));
+    y[m * N + r] = c10::BFloat16(_mm512_reduce_add_ps(sum) + b).x;
   }
 }
 
 template <int M>
 void gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                int64_t N, int64_t K) {
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t r0 = b * kRowBlock;
-      row_block<M>(x, w, K, r0, std::min(kRowBlock, N - r0), N, bias, y);
-    }
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) one_row<M>(x, w + r * K, K, r, N, bias, y);
   });
 }
 #endif
