@@ -94,7 +94,7 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for requests scheduled in batch order; request ``i`` computes
     ``chunk_lens[i]`` tokens from position ``context_starts[i]``."""
-    slot_rows: list[torch.Tensor] = []
+    slots: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     decode_indices: list[int] = []
@@ -106,7 +106,7 @@ def build_metadata(
         if num_blocks > len(blocks):
             raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {end} tokens")
         used = blocks[:num_blocks]
-        slot_rows.append(_slots_for(used, block_size)[start:end])
+        slots += _slots(used, block_size, start, end)
         if length == 1:
             decode_indices.append(token_start)
             decode_tables.append(used)
@@ -115,7 +115,7 @@ def build_metadata(
             block_ids = torch.tensor(used, dtype=torch.long, device=device)
             prefills.append(PrefillChunk(token_start, token_start + length, start, block_ids))
         token_start += length
-    slot_mapping = torch.cat(slot_rows).to(device)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     if not decode_tables:
         return AttentionMetadata(block_size, slot_mapping, None, None, None, tuple(prefills))
     max_blocks = max(len(t) for t in decode_tables)
@@ -131,10 +131,18 @@ def build_metadata(
     )
 
 
-def _slots_for(block_ids: list[int], block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(block_ids, dtype=torch.long)
-    offsets = torch.arange(block_size, dtype=torch.long)
-    return (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)
+def _slots(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots of positions ``[start, end)`` (a run per block). Built from Python ints:
+    tensor ops would cost ~15 us per request, 0.5 ms of a 32-sequence decode step."""
+    slots: list[int] = []
+    position = start
+    while position < end:
+        block, offset = divmod(position, block_size)
+        run = min(block_size - offset, end - position)
+        first = block_ids[block] * block_size + offset
+        slots += range(first, first + run)
+        position += run
+    return slots
 
 
 def gather_blocks(
