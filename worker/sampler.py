@@ -4,9 +4,9 @@ Order, as in vLLM: log-probabilities of the raw logits (what ``logprobs`` report
 token filters (``min_tokens`` bans, ``allowed_token_ids``, the structured-output
 bitmask) and ``logit_bias`` -> repetition / presence / frequency penalties -> greedy
 rows take the argmax -> temperature
--> min-p, top-k, top-p masks -> a random draw. Draws use the exponential-race trick
-(``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw from ``p``), so a seeded request draws
-its noise from its own generator and its samples do not depend on the rest of the batch.
+-> min-p, top-k, top-p masks -> a random draw. A draw inverts the row's cumulative
+distribution at one uniform number (``_draw``), so a seeded request takes that number
+from its own generator and its samples do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -160,13 +160,38 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         scaled = _mask_outside_top_k_top_p_min_p(logits / temperature[:, None], batch)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in enumerate(batch.generators):
-            if generator is not None:  # seeded rows redraw from their own stream
-                noise[row].exponential_(generator=generator)
-        tokens = torch.where(greedy, tokens, (probs / noise).max(dim=-1).indices)
+        uniform = _uniforms(probs.shape[0], batch.generators, probs.device)
+        tokens = torch.where(greedy, tokens, _draw(probs, uniform))
     token_list: list[int] = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
+
+
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [n, vocab], drawn by inverting its cumulative sum at
+    the row's ``uniform`` [n, 1] number in [0, 1). One random number a row: the
+    exponential race (``argmax(p / E)``, ``E ~ Exp(1)`` per token) took ~1-2 ms a row
+    here for SmolLM2's 49,152 tokens, 36-59 ms a step at 32 rows (``exponential_``),
+    longer than the forward. A token of probability 0 is never drawn: its cumulative sum
+    equals the one before it, and the draw takes the first index whose sum exceeds the
+    target, which stays below the row's total."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniform * total, below_total)
+    drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    return drawn.clamp_(max=probs.shape[1] - 1)  # in range even for a row of NaNs
+
+
+def _uniforms(
+    n: int, generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """[n, 1] numbers in [0, 1): a seeded row's from its own generator, so its draw does
+    not depend on the rest of the batch."""
+    uniform = torch.rand(n, 1, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(1, generator=generator, device=device)
+    return uniform
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:

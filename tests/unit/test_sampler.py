@@ -11,7 +11,7 @@ import torch
 from common.messages import SamplingParams
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, TorchOps
-from worker.sampler import SamplingBatch, sample
+from worker.sampler import SamplingBatch, _draw, sample
 
 N = 20000
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -220,3 +220,19 @@ def test_token_bitmask_masks_only_its_rows() -> None:
     )
     out = sample(logits, batch)
     assert out.token_ids == [40, 5]
+
+
+def test_a_draw_inverts_the_cumulative_distribution_at_its_uniform() -> None:
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0]] * 6)
+    # Cumulative sums 0.5, 0.5, 0.7, 1.0, 1.0: token 1 and token 4 (probability 0) are
+    # never drawn, whatever the number, even the largest float below 1.
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
+    uniform = torch.tensor([[0.0], [0.49], [0.5], [0.69], [0.7], [below_one]])
+    assert _draw(probs, uniform).tolist() == [0, 0, 2, 2, 3, 3]
+
+
+def test_a_row_with_all_its_mass_on_one_token_always_draws_it() -> None:
+    probs = torch.zeros(3, 1000)
+    probs[0, 0] = probs[1, 999] = probs[2, 417] = 1.0
+    for u in (0.0, 0.5, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()):
+        assert _draw(probs, torch.full((3, 1), u)).tolist() == [0, 999, 417]
