@@ -11,9 +11,9 @@ Systems (each skipped with a printed reason when unavailable):
   tandem    LLM(model, dtype=...) in this process (its engine and worker are children)
             without its prefix cache (each point reruns the same prompts; OpenVINO's
             is off by default too)
-  tandem-async
-            the same with --async-scheduling: each step planned while the worker runs
-            the last
+  tandem-sync
+            the same with --no-async-scheduling: the worker waits for the engine between
+            steps
   tandem-fixed-threads
             the same with --no-adaptive-worker-threads: the worker keeps every core's
             thread even while another process holds one (compare with --busy-cores)
@@ -68,7 +68,7 @@ def run_tandem(
     concurrency: list[int],
     dtype: str,
     adaptive_threads: bool = True,
-    async_scheduling: bool = False,
+    async_scheduling: bool = True,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every concurrency point on one ``LLM``; and the peak RSS of its engine and worker."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -119,7 +119,7 @@ class Engine(Protocol):
 
 
 class TandemEngine:
-    def __init__(self, name: str, adaptive_threads: bool, async_scheduling: bool = False) -> None:
+    def __init__(self, name: str, adaptive_threads: bool, async_scheduling: bool = True) -> None:
         self.name = name
         self.adaptive_threads = adaptive_threads
         self.async_scheduling = async_scheduling
@@ -161,7 +161,7 @@ ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         TandemEngine("tandem", adaptive_threads=True),
-        TandemEngine("tandem-async", adaptive_threads=True, async_scheduling=True),
+        TandemEngine("tandem-sync", adaptive_threads=True, async_scheduling=False),
         TandemEngine("tandem-fixed-threads", adaptive_threads=False),
         OpenVinoEngine(),
     )

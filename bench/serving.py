@@ -4,8 +4,8 @@ so only figures from one run compare); a table on stdout, JSON in bench/results/
 plots in docs/img/.
 
 Systems (each skipped with a printed reason when unavailable):
-  tandem            tandem serve, continuous batching
-  tandem-async      tandem serve --async-scheduling (the next step planned while the worker runs this one)
+  tandem            tandem serve, continuous batching (async scheduling: the next step planned while the worker runs this one)
+  tandem-sync       tandem serve --no-async-scheduling (the worker waits for the engine between steps)
   tandem-static     tandem serve --batching static
   tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
@@ -48,7 +48,7 @@ from bench.workloads import WORKLOADS, BenchRequest, make_requests
 
 SYSTEMS = (
     "tandem",
-    "tandem-async",
+    "tandem-sync",
     "tandem-static",
     "tandem-gguf",
     "tandem-split",
@@ -146,10 +146,10 @@ class Systems:
         return run
 
     def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
-        if system in ("tandem", "tandem-async", "tandem-static", "tandem-gguf", *SPLIT):
+        if system in ("tandem", "tandem-sync", "tandem-static", "tandem-gguf", *SPLIT):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
-            if system == "tandem-async":
-                flags += ("--async-scheduling",)
+            if system == "tandem-sync":
+                flags += ("--no-async-scheduling",)
             if system == "tandem-gguf":
                 flags += ("--quantization", "gguf")
             if system in SPLIT:

@@ -152,7 +152,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.scheduler.async_scheduling,
         help="schedule the next step while the worker runs this one, so it never waits for "
-        "the engine (default: off)",
+        "the engine (default: on)",
     )
     h = parser.add_argument_group("server")
     h.add_argument(

@@ -114,8 +114,10 @@ class SchedulerConfig:
     batch_wait_timeout_s: float = 0.05
     max_waiting_requests: int = 1024
     # Schedule step N+1 while the workers run step N (vLLM's --async-scheduling), so a
-    # worker finds its next step waiting when it finishes one.
-    async_scheduling: bool = False
+    # worker finds its next step waiting when it finishes one. On by default: on the
+    # 2-core AMD host it gave +3.5-9.6% at 1 client, +2% at 8 and +-1% at 32
+    # (docs/benchmarks.md).
+    async_scheduling: bool = True
 
     @property
     def max_steps_in_flight(self) -> int:

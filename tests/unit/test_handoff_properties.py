@@ -28,11 +28,14 @@ def check_blocks(kv: KVCacheManager) -> None:
 def test_random_traffic_over_two_pools(data: st.DataObject) -> None:
     kv_transfer = data.draw(st.sampled_from(["shm", "tcp"]), label="kv_transfer")
     policy = data.draw(st.sampled_from(["fail", "recompute"]), label="policy")
+    async_scheduling = data.draw(st.booleans(), label="async_scheduling")
+    depth = 2 if async_scheduling else 1
     config = TandemConfig(
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=16),
         scheduler=SchedulerConfig(
             max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
             max_num_batched_tokens=data.draw(st.integers(4, 32), label="budget"),
+            async_scheduling=async_scheduling,
         ),
         disagg=DisaggConfig(
             prefill_workers=1,
@@ -44,12 +47,13 @@ def test_random_traffic_over_two_pools(data: st.DataObject) -> None:
         ),
     )
     blocks = data.draw(st.integers(6, 16), label="blocks")
-    prefill = FakePool(PoolRole.PREFILL, blocks, data.draw(st.integers(1, 4)))
+    prefill = FakePool(PoolRole.PREFILL, blocks, data.draw(st.integers(1, 4)), max_in_flight=depth)
     decode = FakePool(
         PoolRole.DECODE,
         blocks if kv_transfer == "shm" else data.draw(st.integers(6, 16)),
         data.draw(st.integers(1, 3)),
         data.draw(st.integers(1, 6), label="land_polls"),
+        max_in_flight=depth,
     )
     clock = ManualClock()
     core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)

@@ -28,7 +28,11 @@ def make(
 ) -> tuple[EngineCore, FakePool, FakePool]:
     config = TandemConfig(
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=16),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        # One step in flight: the cases below step through exactly when a decode step
+        # that may read the copied blocks runs and ends.
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=False
+        ),
         disagg=DisaggConfig(
             prefill_workers=1,
             decode_workers=1,
