@@ -5,9 +5,10 @@
 // oneDNN's prepacked matmul spends ~20-30 us a call in setup and reaches ~14 GB/s over a
 // model's projections here; this kernel streams the plain [out, in] weight with
 // AVX512-BF16 dot products (VDPBF16PS: bf16 pairs into float32 lanes), one output row
-// after another, and reaches the machine's read bandwidth. It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD
-// Zen 4 and later); where the compiler targets a CPU without it, has_bf16_gemv() is
-// false and the worker keeps oneDNN for every batch size.
+// after another, and reaches the machine's read bandwidth. It needs AVX512-BF16 (Intel
+// Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); where the compiler
+// targets a CPU without it, has_bf16_gemv() is false and the worker keeps oneDNN for
+// every batch size.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -61,14 +62,15 @@ void one_row(const uint16_t* x, const uint16_t* w_row, int64_t K, int64_t r, int
         acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_pairs(x + m * K + k + 32 * u, all), wv);
     }
   }
-  for (int u = 0; k < K; k += 32, ++u) {
+  for (int u = 0; k < K; k += 32, ++u) {  // fewer than kUnroll vectors are left
     const __mmask32 mask = K - k >= 32 ? all : (__mmask32{1} << (K - k)) - 1;
     const __m512bh wv = load_pairs(w_row + k, mask);
     for (int m = 0; m < M; ++m)
       acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_pairs(x + m * K + k, mask), wv);
   }
-  const float b =
-      bias != nullptr ? static_cast<float>(c10::BFloat16(bias[r], c10::BFloat16::from_bits())) : 0.0f;
+  const float b = bias != nullptr
+                      ? static_cast<float>(c10::BFloat16(bias[r], c10::BFloat16::from_bits()))
+                      : 0.0f;
   for (int m = 0; m < M; ++m) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
                                      _mm512_add_ps(acc[m][2], acc[m][3]));
