@@ -38,6 +38,7 @@ from bench.harness import MODEL, print_table, write_results
 from bench.peers import openvino_peer
 from bench.rss import PeakRss
 from bench.workloads import WORKLOADS, make_requests
+from common.config import SchedulerConfig
 from common.messages import SamplingParams
 
 MIB = 1 << 20
@@ -68,7 +69,7 @@ def run_tandem(
     concurrency: list[int],
     dtype: str,
     adaptive_threads: bool = True,
-    async_scheduling: bool = True,
+    async_scheduling: bool = SchedulerConfig.async_scheduling,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every concurrency point on one ``LLM``; and the peak RSS of its engine and worker."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -119,7 +120,12 @@ class Engine(Protocol):
 
 
 class TandemEngine:
-    def __init__(self, name: str, adaptive_threads: bool, async_scheduling: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        adaptive_threads: bool,
+        async_scheduling: bool = SchedulerConfig.async_scheduling,
+    ) -> None:
         self.name = name
         self.adaptive_threads = adaptive_threads
         self.async_scheduling = async_scheduling

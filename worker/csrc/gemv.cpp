@@ -72,6 +72,7 @@ void one_row(const uint16_t* x, const uint16_t* w_row, int64_t K, int64_t r, int
                       ? static_cast<float>(c10::BFloat16(bias[r], c10::BFloat16::from_bits()))
                       : 0.0f;
   for (int m = 0; m < M; ++m) {
+    static_assert(kUnroll == 4, "the sums below add exactly four accumulators");
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
                                      _mm512_add_ps(acc[m][2], acc[m][3]));
     y[m * N + r] = c10::BFloat16(_mm512_reduce_add_ps(sum) + b).x;
