@@ -54,6 +54,10 @@ HEARTBEAT_TIMEOUT_S = 3.0
 # (the worker's heartbeat interval): the checks come every POLL_S or sooner while the
 # engine runs, so a longer gap is this process not running.
 MAX_SILENCE_GAP_S = 0.5
+# How long a rank's failure report waits for a sibling's death to show: a rank killed
+# mid-collective breaks its peers' reads as its sockets close, and its exit becomes visible
+# (waitpid) a moment later, so a peer's report can arrive first and would name the wrong rank.
+PEER_DEATH_GRACE_S = 0.3
 
 
 class WorkerDied(RuntimeError):
@@ -217,6 +221,15 @@ class WorkerPool:
                         f"{HEARTBEAT_TIMEOUT_S:.0f} s)"
                     )
 
+    def _check_alive_for(self, seconds: float) -> None:
+        """``check_alive`` until ``seconds`` pass (only where this pool started several
+        processes: a lone worker has no sibling to blame)."""
+        deadline = time.monotonic() + (seconds if len(self._procs) > 1 else 0.0)
+        self.check_alive()
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.check_alive()
+
     def _who(self, identity: bytes) -> str:
         name = identity.decode(errors="replace")
         return name if self.role == PoolRole.UNIFIED else f"{self.name} {name}"
@@ -230,7 +243,7 @@ class WorkerPool:
             self._silences.setdefault(message.rank, Silence(MAX_SILENCE_GAP_S)).heard()
         if isinstance(message, WorkerFailed):
             # A rank that died mid-collective breaks its peers' step: name the dead one.
-            self.check_alive()
+            self._check_alive_for(PEER_DEATH_GRACE_S)
             raise WorkerDied(f"{self._who(identity)} failed: {message.error}")
         return identity, message
 

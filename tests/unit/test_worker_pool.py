@@ -1,0 +1,69 @@
+"""``WorkerPool`` naming the rank that failed: a rank killed mid-collective breaks its
+peers' reads as its sockets close, and a peer's failure report can reach the engine
+before the killed rank's exit is visible. The pool's processes are fakes here (their exit
+codes on a timer); the report comes over the pool's real socket."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.config import DisaggConfig, TandemConfig
+from common.ipc import Codec
+from common.messages import PoolRole, WorkerFailed, WorkerMessage
+from engine_core.executor import PEER_DEATH_GRACE_S, WorkerDied, WorkerPool
+
+
+class FakeProc:
+    """A process whose exit (SIGKILL) becomes visible ``dies_after`` seconds from now."""
+
+    def __init__(self, pid: int, dies_after: float | None) -> None:
+        self.pid = pid
+        self._dies_at = None if dies_after is None else time.monotonic() + dies_after
+
+    def poll(self) -> int | None:
+        return -9 if self._dies_at is not None and time.monotonic() >= self._dies_at else None
+
+
+def failure_reported(tmp_path: Path, rank1_dies_after: float | None) -> tuple[str, float]:
+    """Rank 0 reports a failure; returns what the pool raises and how long that took."""
+    config = TandemConfig(disagg=DisaggConfig(external_workers=True))
+    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=2)
+    pool._procs = {  # as if the pool had started both ranks
+        b"worker-0": FakeProc(100, None),  # type: ignore[dict-item]
+        b"worker-1": FakeProc(101, rank1_dies_after),  # type: ignore[dict-item]
+    }
+    ctx = zmq.Context()
+    rank0 = ctx.socket(zmq.DEALER)
+    rank0.setsockopt(zmq.IDENTITY, b"worker-0")
+    rank0.connect(pool.address)
+    try:
+        error = "Read error [127.0.0.1]:47531: Connection reset by peer"
+        rank0.send(Codec(WorkerMessage).encode(WorkerFailed(rank=0, error=error)))
+        deadline = time.monotonic() + 10
+        while not pool.sock.poll(10):
+            assert time.monotonic() < deadline, "the report never arrived"
+        started = time.monotonic()
+        with pytest.raises(WorkerDied) as died:
+            pool.poll()
+        return str(died.value), time.monotonic() - started
+    finally:
+        rank0.close(linger=0)
+        ctx.term()
+        pool._procs = {}
+        pool.shutdown()
+
+
+def test_a_peers_report_names_the_rank_whose_death_shows_a_moment_later(tmp_path: Path) -> None:
+    why, took = failure_reported(tmp_path, rank1_dies_after=0.05)
+    assert why == "worker-1 (pid 101) died: killed by signal 9"
+    assert took < PEER_DEATH_GRACE_S + 0.5
+
+
+def test_a_report_with_no_death_beside_it_names_the_reporter(tmp_path: Path) -> None:
+    why, took = failure_reported(tmp_path, rank1_dies_after=None)
+    assert why.startswith("worker-0 failed: Read error")
+    assert PEER_DEATH_GRACE_S <= took < PEER_DEATH_GRACE_S + 0.5
