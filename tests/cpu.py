@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (``avx512_bf16``, ``amx_bf16``, ...)."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line)
+    return flag in flags.split()
+
 
 # oneDNN prepacks bfloat16 only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere
 # (AMD Zen 2/3, older Intel) it raises, and the loader does not pack

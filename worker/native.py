@@ -50,9 +50,10 @@ SOURCES = [
         "amx_linear.cpp",
         "decode_stack.cpp",
         "gguf_linear.cpp",
+        "gguf_bf16_dot.cpp",
     )
 ]
-HEADERS = [CSRC / "simd.h", CSRC / "kernels.h"]
+HEADERS = [CSRC / "simd.h", CSRC / "kernels.h", CSRC / "gguf_formats.h"]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
 # The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on
 # top of the level below it (the psABI's micro-architecture levels).
@@ -125,6 +126,8 @@ class NativeKernels(Protocol):
     def gguf_linear(
         self, x: torch.Tensor, weight: torch.Tensor, type: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
+
+    def gguf_has_bf16_rows(self, type: int, rows: int) -> bool: ...
 
     def decode_layers(
         self,

@@ -6,22 +6,16 @@ AMX it takes 1-4 rows, with AMX up to 32 of weights whose shape fits the tiles.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tests.cpu import needs_onednn_bf16
+from tests.cpu import cpu_has, needs_onednn_bf16
 from worker.models.packed_linear import Gemv, PackedLinear
 from worker.native import kernel_arch, load_native_kernels
 from worker.ops import NativeOps, TorchOps
-
-
-def cpu_has(flag: str) -> bool:
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line)
-    return flag in flags.split()
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

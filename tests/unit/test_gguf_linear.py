@@ -1,9 +1,9 @@
-"""The GGUF kernels (``worker/csrc/gguf_linear.cpp``) against gguf-py, the dequantizer
-transformers loads GGUF files with: every supported block type dequantized bit for bit
-alike (through the stored path and through the in-register path of the fused linear;
-to bfloat16, rounded once as ``Tensor.to`` rounds),
-the fused linear against a float64 matmul, ``QuantLinear``'s two paths against each
-other, and clear refusals."""
+"""The GGUF kernels (``worker/csrc/gguf_linear.cpp``, ``gguf_bf16_dot.cpp``) against
+gguf-py, the dequantizer transformers loads GGUF files with: every supported block type
+dequantized bit for bit alike (through the stored path and through the in-register paths
+of the fused linear, float32 rows and bfloat16 rows; to bfloat16, rounded once as
+``Tensor.to`` rounds), the fused linear against a float64 matmul for both row dtypes,
+``QuantLinear``'s two paths against each other, and clear refusals."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import dequantize
 
+from tests.cpu import cpu_has
 from worker.models.gguf_weights import GgufWeight
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
-from worker.native import NativeKernels, load_native_kernels
+from worker.native import NativeKernels, kernel_arch, load_native_kernels
 
 # type: (weights per block, bytes per block, byte offsets of its float16 scales)
 FORMATS = {
@@ -65,28 +66,40 @@ def test_dequantize_equals_gguf_py_bit_for_bit(kernels: NativeKernels, qtype: Q)
     assert torch.equal(bf16, torch.from_numpy(ref).to(torch.bfloat16))  # rounded once
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
-def test_fused_linear_reads_each_weight_exactly(kernels: NativeKernels, qtype: Q) -> None:
+def test_fused_linear_reads_each_weight_exactly(
+    kernels: NativeKernels, qtype: Q, dtype: torch.dtype
+) -> None:
     """One-hot rows pick single weights: the fused kernel's own dequantization (in
-    registers for the 32-weight types) must give gguf-py's values exactly."""
+    registers for the 32-weight types; for bfloat16 rows, quants looked up as bfloat16
+    and Q8_0's bytes split into nibbles) must give gguf-py's values exactly."""
     in_features = 256
     blocks = random_blocks(qtype, 13, in_features, seed=1)
     columns = [0, 1, 15, 16, 17, 31, 32, 100, 255]
-    x = torch.zeros(len(columns), in_features)
+    x = torch.zeros(len(columns), in_features, dtype=dtype)
     x[range(len(columns)), columns] = 1.0
     out = kernels.gguf_linear(x, torch.from_numpy(blocks), int(qtype), None)
     ref = torch.from_numpy(reference(blocks, qtype))[:, columns].T
+    assert out.dtype == torch.float32
     assert torch.equal(out, ref.contiguous())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_fused_linear_against_float64(kernels: NativeKernels, qtype: Q, rows: int) -> None:
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name
+)
+def test_fused_linear_against_float64(
+    kernels: NativeKernels, qtype: Q, rows: int, dtype: torch.dtype
+) -> None:
+    """Every product is exact in both row dtypes (a bfloat16 row times a quant fits
+    float32), so only the float32 sums' roundings separate the kernel from float64."""
     in_features, out_features = 512, 43  # an odd count: tails of every row tile
     blocks = random_blocks(qtype, out_features, in_features, seed=rows)
     weight = torch.from_numpy(reference(blocks, qtype)).double()
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen)
     out = kernels.gguf_linear(x, torch.from_numpy(blocks), int(qtype), bias)
     ref = x.double() @ weight.T + bias.double()
@@ -127,6 +140,25 @@ def test_quant_linear_paths_agree_and_mixed_types_concatenate(
     assert ((large.double() - expected).abs() <= bound).all()
 
 
+def test_bfloat16_rows_take_their_own_path_exactly_where_the_cpu_has_avx512_bf16(
+    kernels: NativeKernels,
+) -> None:
+    """Not a silent conversion to float32 on a CPU that has the instructions: the 4- and
+    5-bit 32-weight formats have a bfloat16-row kernel there for 1-2 rows; Q8_0 and the
+    256-weight K-quants nowhere (measured slower than converting the rows)."""
+    # The portable levels (x86-64-v4 at most) leave AVX512-BF16 out.
+    native = kernel_arch() == "native"
+    bf16 = native and cpu_has("avx512_bf16") and cpu_has("avx512vl") and cpu_has("avx512bw")
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        assert [kernels.gguf_has_bf16_rows(int(qtype), rows) for rows in (1, 2, 3)] == [
+            bf16,
+            bf16,
+            False,  # past 2 rows, dequantizing once for every row costs less
+        ], qtype.name
+    for qtype in (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        assert not kernels.gguf_has_bf16_rows(int(qtype), 1), qtype.name
+
+
 def test_refusals_name_the_problem(kernels: NativeKernels) -> None:
     blocks = torch.from_numpy(random_blocks(Q.Q4_1, 4, 64))
     x = torch.randn(2, 64)
@@ -136,7 +168,7 @@ def test_refusals_name_the_problem(kernels: NativeKernels) -> None:
         kernels.gguf_linear(x, blocks[:, :30].contiguous(), int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="not a multiple of the block's 32"):
         kernels.gguf_linear(torch.randn(2, 48), blocks, int(Q.Q4_1), None)
-    with pytest.raises(RuntimeError, match="float32"):
-        kernels.gguf_linear(x.to(torch.bfloat16), blocks, int(Q.Q4_1), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.gguf_linear(x.to(torch.float16), blocks, int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.gguf_linear(x, blocks, int(Q.Q4_1), torch.randn(3))

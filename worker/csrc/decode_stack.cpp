@@ -49,12 +49,16 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
   return onednn_linear(x, packed, bias);
 }
 
-// QuantLinear.forward (one segment of blocks): up to fused_max_rows float32 rows on the
-// fused dequantize-and-dot kernel, else a dense matmul over the weight dequantized.
+// QuantLinear.forward (one segment of blocks): up to fused_max_rows rows (bfloat16 as they
+// are, else float32) on the fused dequantize-and-dot kernel, else a dense matmul over the
+// weight dequantized.
 at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                            const std::optional<at::Tensor>& bias, int64_t fused_max_rows) {
-  if (x.size(0) <= fused_max_rows)
-    return gguf_linear(x.to(at::kFloat).contiguous(), blocks, type, bias).to(x.scalar_type());
+  if (x.size(0) <= fused_max_rows) {
+    const at::Tensor rows =
+        x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+    return gguf_linear(rows, blocks, type, bias).to(x.scalar_type());
+  }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());
   std::optional<at::Tensor> b;

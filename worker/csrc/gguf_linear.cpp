@@ -5,6 +5,8 @@
 // bfloat16's 2, so the step reads ~3x fewer bytes. Each output row is dequantized into a
 // float32 buffer (in L1: a row is at most a few thousand weights) and dotted with every
 // input row, 16 lanes at a time; the products are summed in float32 and rounded once.
+// Bfloat16 rows of the 32-weight formats go to gguf_bf16_dot.cpp instead, where the CPU
+// has AVX512-BF16; others are converted to float32 and come here.
 //
 // Dequantization follows gguf-py's (the code transformers loads GGUF files with)
 // operation for operation, without fused multiply-adds (the build passes
@@ -19,235 +21,18 @@
 #include <optional>
 #include <vector>
 
-#include "simd.h"
+#include "gguf_formats.h"
+#include "kernels.h"
 
 namespace {
 
-// ggml's type ids (GGMLQuantizationType in gguf-py) of the block formats supported here.
-enum GgmlType : int64_t {
-  kQ4_0 = 2,
-  kQ4_1 = 3,
-  kQ5_0 = 6,
-  kQ5_1 = 7,
-  kQ8_0 = 8,
-  kQ4_K = 12,
-  kQ5_K = 13,
-  kQ6_K = 14,
-};
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
+using namespace tandem::gguf;
 
 constexpr int64_t kRowsPerTile = 8;       // input rows whose sums stay in registers
 constexpr int64_t kOutputsPerTask = 16;   // at::parallel_for grain, in output rows
 // How far ahead of a row's stream to prefetch: of 2, 4, 8, 16 and 32 KiB, 8 read 66 MB of
 // Q4_1 rows fastest at one input row (13 GB/s on 2 threads; 2 KiB: 8.5 GB/s).
 constexpr int64_t kPrefetchBytes = 8192;
-
-// --- the block formats ------------------------------------------------------------------
-// Each has kWeights and kBytes per block and dequant(block, out): float32 exactly as
-// gguf-py's dequantize_blocks computes it. The 32-weight formats also have, with
-// AVX-512, quants(block, lo, hi): the 32 quants as whole floats in two registers (less
-// the centre for the formats without a min), beside scale(block) and, where kHasOffset,
-// offset(block): weight j = scale * quant j (+ offset), as dequant computes it.
-
-// Q4_0 (d * (q - 8)), Q4_1 (d * q + m): byte j holds weight j (low nibble) and j + 16.
-template <bool kHasMin>
-struct Q4 {
-  static constexpr int64_t kWeights = 32, kBytes = kHasMin ? 20 : 18;
-  static constexpr bool kHasOffset = kHasMin;
-  static float scale(const uint8_t* b) { return half_at(b); }
-  static float offset(const uint8_t* b) { return kHasMin ? half_at(b + 2) : 0.0f; }
-#if defined(__AVX512F__)
-  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
-    const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kHasMin ? 4 : 2))));
-    __m512i ql = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), qh = _mm512_srli_epi32(q, 4);
-    if (!kHasMin) {
-      ql = _mm512_sub_epi32(ql, _mm512_set1_epi32(8));
-      qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
-    }
-    lo = _mm512_cvtepi32_ps(ql);
-    hi = _mm512_cvtepi32_ps(qh);
-  }
-#endif
-  static void dequant(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = kHasMin ? half_at(b + 2) : 0.0f;
-    const uint8_t* qs = b + (kHasMin ? 4 : 2);
-    for (int j = 0; j < 16; ++j) {
-      const int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
-      out[j] = kHasMin ? d * static_cast<float>(lo) + m : d * static_cast<float>(lo - 8);
-      out[j + 16] = kHasMin ? d * static_cast<float>(hi) + m : d * static_cast<float>(hi - 8);
-    }
-  }
-};
-
-// Q5_0 (d * (q - 16)), Q5_1 (d * q + m): the fifth bit of weight j is bit j of qh.
-template <bool kHasMin>
-struct Q5 {
-  static constexpr int64_t kWeights = 32, kBytes = kHasMin ? 24 : 22;
-  static constexpr bool kHasOffset = kHasMin;
-  static float scale(const uint8_t* b) { return half_at(b); }
-  static float offset(const uint8_t* b) { return kHasMin ? half_at(b + 2) : 0.0f; }
-#if defined(__AVX512F__)
-  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
-    const uint8_t* p = b + (kHasMin ? 4 : 2);
-    uint32_t bits;
-    std::memcpy(&bits, p, 4);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    __m512i ql = _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)),
-                                 _mm512_maskz_mov_epi32(static_cast<__mmask16>(bits), sixteen));
-    __m512i qh = _mm512_or_si512(_mm512_srli_epi32(q, 4),
-                                 _mm512_maskz_mov_epi32(static_cast<__mmask16>(bits >> 16), sixteen));
-    if (!kHasMin) {
-      ql = _mm512_sub_epi32(ql, sixteen);
-      qh = _mm512_sub_epi32(qh, sixteen);
-    }
-    lo = _mm512_cvtepi32_ps(ql);
-    hi = _mm512_cvtepi32_ps(qh);
-  }
-#endif
-  static void dequant(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = kHasMin ? half_at(b + 2) : 0.0f;
-    const uint8_t* p = b + (kHasMin ? 4 : 2);
-    uint32_t qh;
-    std::memcpy(&qh, p, 4);
-    const uint8_t* qs = p + 4;
-    for (int j = 0; j < 16; ++j) {
-      const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
-      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      out[j] = kHasMin ? d * static_cast<float>(lo) + m : d * static_cast<float>(lo - 16);
-      out[j + 16] = kHasMin ? d * static_cast<float>(hi) + m : d * static_cast<float>(hi - 16);
-    }
-  }
-};
-
-// Q8_0: q * d.
-struct Q8_0 {
-  static constexpr int64_t kWeights = 32, kBytes = 34;
-  static constexpr bool kHasOffset = false;
-  static float scale(const uint8_t* b) { return half_at(b); }
-#if defined(__AVX512F__)
-  static inline void quants(const uint8_t* b, __m512& lo, __m512& hi) {
-    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-  }
-#endif
-  static void dequant(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
-  }
-};
-
-// The 6-bit scale and min of sub-block j (of 8) packed in a K-quant's 12 scale bytes.
-inline void scale_min_k4(int j, const uint8_t* s, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Q4_K and Q5_K: 8 sub-blocks of 32, (d * scale) * q - (dmin * min).
-template <bool kFiveBits>
-struct QK45 {
-  static constexpr int64_t kWeights = 256, kBytes = kFiveBits ? 176 : 144;
-  static void dequant(const uint8_t* b, float* out) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;  // Q5_K only
-    const uint8_t* qs = b + (kFiveBits ? 48 : 16);
-    for (int g = 0; g < 8; ++g) {
-      int sc, mn;
-      scale_min_k4(g, scales, &sc, &mn);
-      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
-      const uint8_t* q = qs + 32 * (g / 2);
-      const int shift = 4 * (g % 2);
-      for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> shift) & 0x0F;
-        if (kFiveBits) v |= ((qh[l] >> g) & 1) << 4;
-        out[32 * g + l] = dl * static_cast<float>(v) - ml;
-      }
-    }
-  }
-};
-
-// Q6_K: 16 sub-blocks of 16, (d * scale) * (q - 32).
-struct Q6_K {
-  static constexpr int64_t kWeights = 256, kBytes = 210;
-  static void dequant(const uint8_t* b, float* out) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
-    for (int g = 0; g < 8; ++g) {  // 8 groups of 32 weights
-      const int half = g / 4;
-      const uint8_t* lo = ql + 64 * half + 32 * (g % 2);
-      const int lo_shift = 4 * ((g % 4) / 2);
-      const uint8_t* hi = qh + 32 * half;
-      const int hi_shift = 2 * (g % 4);
-      for (int l = 0; l < 32; ++l) {
-        const int q = (((lo[l] >> lo_shift) & 0x0F) | (((hi[l] >> hi_shift) & 3) << 4)) - 32;
-        const int e = 32 * g + l;
-        out[e] = (d * static_cast<float>(scales[e / 16])) * static_cast<float>(q);
-      }
-    }
-  }
-};
-
-#if defined(__AVX512F__)
-// A 32-weight block's weights in two registers, not stored: dequant's operations.
-template <typename F>
-inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
-  F::quants(b, lo, hi);
-  const __m512 d = _mm512_set1_ps(F::scale(b));
-  lo = _mm512_mul_ps(d, lo);
-  hi = _mm512_mul_ps(d, hi);
-  if constexpr (F::kHasOffset) {
-    const __m512 m = _mm512_set1_ps(F::offset(b));
-    lo = _mm512_add_ps(lo, m);
-    hi = _mm512_add_ps(hi, m);
-  }
-}
-#endif
-
-// Calls body(Format{}) for a ggml type id: the one switch over block formats.
-template <typename Body>
-void with_format(int64_t type, Body&& body) {
-  switch (type) {
-    case kQ4_0: return body(Q4<false>{});
-    case kQ4_1: return body(Q4<true>{});
-    case kQ5_0: return body(Q5<false>{});
-    case kQ5_1: return body(Q5<true>{});
-    case kQ8_0: return body(Q8_0{});
-    case kQ4_K: return body(QK45<false>{});
-    case kQ5_K: return body(QK45<true>{});
-    case kQ6_K: return body(Q6_K{});
-    default: TORCH_CHECK(false, "GGUF tensor type ", type, " has no kernel here");
-  }
-}
-
-// The row length in blocks, after checking the weight's shape against the format.
-template <typename F>
-int64_t checked_blocks(const char* kernel, const at::Tensor& weight, int64_t in) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
-                  weight.is_contiguous(),
-              kernel, ": the weight is a contiguous CPU uint8 [out, row_bytes] tensor");
-  TORCH_CHECK(in > 0 && in % F::kWeights == 0, kernel, ": in_features ", in,
-              " is not a multiple of the block's ", F::kWeights, " weights");
-  const int64_t blocks = in / F::kWeights;
-  TORCH_CHECK(weight.size(1) == blocks * F::kBytes, kernel, ": a row of ", in, " weights takes ",
-              blocks * F::kBytes, " bytes, got ", weight.size(1));
-  return blocks;
-}
 
 // Up to this many input rows a 32-weight block is dotted as scale * (quants . x) (+ offset
 // * sum(x)): the quants are converted and the scale applied once per row of the block, not
@@ -330,8 +115,10 @@ void dot_rows(const uint8_t* rows, int64_t row_bytes, int64_t blocks, const floa
 #endif
 }
 
-// Weight rows per call for T input rows: as many independent sums as registers allow.
-constexpr int rows_for(int T) { return T <= 2 ? 4 : 2; }
+// Weight rows per call for T input rows. The factored dot reads one row at a time: each
+// thread's reads are then one ascending stream (4 rows side by side, 4 streams, read
+// SmolLM2's Q4_1 and Q8_0 rows 10-15% slower); else as many sums as registers allow.
+constexpr int rows_for(int T) { return T <= kFactoredRows ? 1 : 2; }
 
 // Output rows [begin, end) for input rows [m0, m0 + T), R weight rows at a time.
 template <typename F, int T>
@@ -400,15 +187,20 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.is_contiguous(),
-              "gguf_linear: x is a contiguous CPU float32 [rows, in] tensor");
+  TORCH_CHECK(x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous(),
+              "gguf_linear: x is a contiguous CPU float32 or bfloat16 [rows, in] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "gguf_linear: the bias is a contiguous float32 [out] tensor");
     b = bias->data_ptr<float>();
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+    if (gguf_has_bf16_rows(type, M)) return gguf_linear_bf16_rows(x, weight, type, b);
+    return gguf_linear(x.to(at::kFloat), weight, type, bias);
   }
   at::Tensor out = at::empty({M, N}, x.options());
   with_format(type, [&](auto format) {

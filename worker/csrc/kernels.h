@@ -34,6 +34,11 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
                            bool bfloat16);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias);
+// The bfloat16-row path of gguf_linear (gguf_bf16_dot.cpp): whether this build takes that
+// many rows of a ggml type there, and the product (float32 [rows, out]) where it does.
+bool gguf_has_bf16_rows(int64_t type, int64_t rows);
+at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                                 const float* bias);
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                          const std::vector<std::optional<at::Tensor>>& plain,
                          const std::vector<at::Tensor>& packed,

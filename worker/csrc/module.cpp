@@ -23,8 +23,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize,
         "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),
         py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);
-  m.def("gguf_linear", &gguf_linear, "x W^T + b for float32 rows, W as GGUF blocks",
-        py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("gguf_linear", &gguf_linear,
+        "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks; float32 out", py::arg("x"),
+        py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("gguf_has_bf16_rows", &gguf_has_bf16_rows,
+        "whether gguf_linear dots this many bfloat16 rows with this type's quants as they are "
+        "(AVX512-BF16, Q4/Q5 formats, 1-2 rows) rather than converting them to float32",
+        py::arg("type"), py::arg("rows"));
   m.def("decode_layers", &decode_layers,
         "a decode step through every layer of a llama-shaped model");
 }

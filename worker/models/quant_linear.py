@@ -82,7 +82,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= FUSED_MAX_ROWS:
-            rows = flat.float().contiguous()
+            # bfloat16 rows as they are (their products with the quants are exact), else
+            # float32: as decode_stack.cpp's gguf_projection passes them.
+            rows = (flat if flat.dtype == torch.bfloat16 else flat.float()).contiguous()
             if len(self.segments) == 1:  # as decode_stack.cpp's gguf_projection does
                 (s,) = self.segments
                 out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias)

@@ -1,0 +1,223 @@
+// GGUF linear layers for bfloat16 input rows (the decode steps of a bfloat16 model):
+// y = x W^T (+ bias), x bfloat16 [M, K], W the file's blocks, y float32.
+//
+// A bfloat16 row times a small integer quant is exact in float32, so the quants of the
+// 32-weight formats are turned into exact bfloat16 values by a table lookup (VPERMW: the
+// nibble is the index) and dotted with the rows by VDPBF16PS, 32 products a register
+// summed into float32 lanes. Per block that is a third of the float32 path's work (widen
+// every quant to 32 bits, convert, multiply twice: gguf_linear.cpp), which at batch 1 was
+// what bounded the step, not the memory: the products are the same exact values, only
+// summed in another order, and each block's sum is scaled by its float16 scale (plus its
+// min times the block's sum of x) as there.
+//
+// Up to kMaxRows rows: past that, dequantizing a block once for every row (the float32
+// path) costs less than looking its quants up again per row. Q8_0 (a byte a quant: two
+// lookups and two products per weight) measured slower here than the float32 path, so it
+// takes that path, as do the K-quants and CPUs without AVX512-BF16 (the caller converts x).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "gguf_formats.h"
+#include "kernels.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define TANDEM_HAS_GGUF_BF16 1
+#else
+#define TANDEM_HAS_GGUF_BF16 0
+#endif
+
+namespace {
+
+using namespace tandem::gguf;
+
+constexpr int64_t kMaxRows = 2;
+
+// A format's dot over one block for T rows, where the CPU and the format have one.
+template <typename F>
+struct Bf16Dot {
+  static constexpr bool kSupported = false;
+};
+
+#if TANDEM_HAS_GGUF_BF16
+constexpr int64_t kOutputsPerTask = 16;  // at::parallel_for grain, in output rows
+// Prefetch distance: of 1, 4 and 8 KiB, 4 read SmolLM2's Q4_1 rows fastest.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// The bfloat16 bits of a small integer (|v| < 256, so exact).
+constexpr uint16_t bf16_of(int v) {
+  if (v == 0) return 0;
+  const int a = v < 0 ? -v : v;
+  int e = 0;
+  while ((a >> (e + 1)) != 0) ++e;
+  const int mantissa = (a << (7 - e)) & 0x7F;
+  return static_cast<uint16_t>((v < 0 ? 0x8000 : 0) | ((127 + e) << 7) | mantissa);
+}
+
+// The lookup table of N entries: entry i is the bfloat16 of value(i).
+template <int N, typename Value>
+constexpr std::array<uint16_t, N> table(Value value) {
+  std::array<uint16_t, N> out{};
+  for (int i = 0; i < N; ++i) out[i] = bf16_of(value(i));
+  return out;
+}
+
+template <size_t N>
+inline __m256i load_table(const std::array<uint16_t, N>& t, size_t first = 0) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.data() + first));
+}
+
+inline __m256bh pairs(const uint16_t* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256i widen_bytes(const uint8_t* p) {  // 16 bytes -> 16 words
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// s[t] += sum over 16 weights of quant * x[t][0, 16): the quants as bfloat16.
+template <int T>
+inline void dot16(__m256 s[T], __m256i quants, const uint16_t* const x[T], int64_t at) {
+  for (int t = 0; t < T; ++t) s[t] = _mm256_dpbf16_ps(s[t], (__m256bh)quants, pairs(x[t] + at));
+}
+
+// Q4_0 (q - 8), Q4_1 (q): byte j holds weight j (low nibble) and j + 16 (high nibble).
+template <bool kHasMin>
+struct Bf16Dot<Q4<kHasMin>> {
+  static constexpr bool kSupported = true;
+  static constexpr auto kTable = table<16>([](int i) { return kHasMin ? i : i - 8; });
+  template <int T>
+  static inline void dot(const uint8_t* b, const uint16_t* const x[T], int64_t at, __m256 s[T]) {
+    const __m256i lut = load_table(kTable);
+    const __m256i q = widen_bytes(b + (kHasMin ? 4 : 2));
+    // VPERMW reads the low 4 bits of each index: the low nibble needs no mask.
+    dot16<T>(s, _mm256_permutexvar_epi16(q, lut), x, at);
+    dot16<T>(s, _mm256_permutexvar_epi16(_mm256_srli_epi16(q, 4), lut), x, at + 16);
+  }
+};
+
+// Q5_0 (q - 16), Q5_1 (q): the fifth bit of weight j is bit j of qh; 32 entries, so the
+// two-table VPERMT2W.
+template <bool kHasMin>
+struct Bf16Dot<Q5<kHasMin>> {
+  static constexpr bool kSupported = true;
+  static constexpr auto kTable = table<32>([](int i) { return kHasMin ? i : i - 16; });
+  template <int T>
+  static inline void dot(const uint8_t* b, const uint16_t* const x[T], int64_t at, __m256 s[T]) {
+    const __m256i lut_lo = load_table(kTable), lut_hi = load_table(kTable, 16);
+    const uint8_t* p = b + (kHasMin ? 4 : 2);
+    uint32_t bits;
+    std::memcpy(&bits, p, 4);
+    const __m256i q = widen_bytes(p + 4), sixteen = _mm256_set1_epi16(16);
+    const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi16(0x0F));
+    const __m256i hi = _mm256_srli_epi16(q, 4);
+    const auto fifth = [&](__m256i nibbles, uint32_t mask) {
+      const __m256i index = _mm256_mask_add_epi16(nibbles, static_cast<__mmask16>(mask), nibbles, sixteen);
+      return _mm256_permutex2var_epi16(lut_lo, index, lut_hi);
+    };
+    dot16<T>(s, fifth(lo, bits), x, at);
+    dot16<T>(s, fifth(hi, bits >> 16), x, at + 16);
+  }
+};
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The input rows and what the formats' dots need of them.
+struct Rows {
+  const uint16_t* x;  // [M, K] bfloat16 bits
+  const float* xsum;  // [M, blocks] each block's sum of x, for formats with a min; else null
+  int64_t K, blocks;
+};
+
+// out[t * N] = dot(weight row, x[t]) for t < T: the row read once, start to end, with
+// prefetches ahead of it (rows are a few hundred bytes: the hardware prefetcher alone
+// fell behind).
+template <typename F, int T>
+void dot_row(const uint8_t* row, const Rows& in, float* out, int64_t N) {
+  const uint16_t* x[T];
+  for (int t = 0; t < T; ++t) x[t] = in.x + t * in.K;
+  __m256 acc[T];
+  float off[T][2] = {};  // two sums a row: one chain of adds would set the pace
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < in.blocks; ++b) {
+    const uint8_t* block = row + b * F::kBytes;
+    if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 s[T];
+    for (int t = 0; t < T; ++t) s[t] = _mm256_setzero_ps();
+    Bf16Dot<F>::template dot<T>(block, x, b * F::kWeights, s);
+    const __m256 d = _mm256_set1_ps(F::scale(block));
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(d, s[t], acc[t]);
+    if constexpr (F::kHasOffset) {
+      const float m = F::offset(block);
+      for (int t = 0; t < T; ++t) off[t][b % 2] += m * in.xsum[t * in.blocks + b];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t * N] = sum_lanes(acc[t]) + (off[t][0] + off[t][1]);
+}
+
+template <typename F>
+void linear_rows(const at::Tensor& x, const at::Tensor& weight, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t blocks = checked_blocks<F>("gguf_linear", weight, K);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<float> xsum;
+  if constexpr (F::kHasOffset) {
+    xsum.resize(M * blocks);
+    for (size_t i = 0; i < xsum.size(); ++i) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < F::kWeights; ++j)
+        sum += static_cast<float>(c10::BFloat16(bits[i * F::kWeights + j], c10::BFloat16::from_bits()));
+      xsum[i] = sum;
+    }
+  }
+  const Rows in{bits, xsum.empty() ? nullptr : xsum.data(), K, blocks};
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1);
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, N, kOutputsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (M == 1) dot_row<F, 1>(w + n * row_bytes, in, y + n, N);
+      else dot_row<F, 2>(w + n * row_bytes, in, y + n, N);
+    }
+    if (bias != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = begin; n < end; ++n) y[m * N + n] += bias[n];
+  });
+}
+#endif
+
+}  // namespace
+
+bool gguf_has_bf16_rows(int64_t type, int64_t rows) {
+  bool supported = false;
+  with_format(type, [&](auto format) { supported = Bf16Dot<decltype(format)>::kSupported; });
+#if TANDEM_HAS_GGUF_BF16
+  return supported && rows >= 1 && rows <= kMaxRows;
+#else
+  return supported;  // false: only the CPUs with the instructions have one
+#endif
+}
+
+at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                                 const float* bias) {
+  TORCH_CHECK(gguf_has_bf16_rows(type, x.size(0)), "gguf_linear: no bfloat16-row kernel for ",
+              x.size(0), " rows of type ", type);
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+#if TANDEM_HAS_GGUF_BF16
+  with_format(type, [&](auto format) {
+    using F = decltype(format);
+    if constexpr (Bf16Dot<F>::kSupported) linear_rows<F>(x, weight, bias, out);
+  });
+#endif
+  return out;
+}
