@@ -44,6 +44,7 @@ SOURCES = [
     for name in (
         "module.cpp",
         "decode_attention.cpp",
+        "decode_attention_bf16.cpp",
         "rms_norm.cpp",
         "elementwise.cpp",
         "gemv.cpp",
@@ -53,7 +54,12 @@ SOURCES = [
         "gguf_bf16_dot.cpp",
     )
 ]
-HEADERS = [CSRC / "simd.h", CSRC / "kernels.h", CSRC / "gguf_formats.h"]
+HEADERS = [
+    CSRC / "simd.h",
+    CSRC / "kernels.h",
+    CSRC / "gguf_formats.h",
+    CSRC / "attention_problem.h",
+]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
 # The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on
 # top of the level below it (the psABI's micro-architecture levels).

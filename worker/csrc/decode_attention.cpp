@@ -9,6 +9,8 @@
 // not 16 horizontal sums). Values of groups up to 4 heads (head size a multiple of 64)
 // are converted in registers, every head's accumulators held there across the tile; other
 // groups go through the tile too. Elsewhere one task per sequence runs the plain loops.
+// Bfloat16 caches of the shapes we serve go to decode_attention_bf16.cpp instead, where the
+// CPU has AVX512-BF16.
 //
 // kv_cache: [2, num_blocks, kv_heads, block_size, head_dim], contiguous: a block holds each
 // KV head's rows side by side, so one task's rows of a block are one contiguous run (the
@@ -20,69 +22,27 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "attention_problem.h"
 #include "simd.h"
 
 namespace {
 
+using tandem::attention::Problem;
 using tandem::add_scaled;
 using tandem::dot;
 using tandem::softmax_numerators;
 
-// Where one attention problem's tensors live, read by both implementations.
-template <typename T>
-struct Problem {
-  const T* q;  // [n, heads, dim]
-  const T* k;  // [num_blocks, kv_heads, block_size, dim]
-  const T* v;
-  const int64_t* table;  // [n, max_blocks]
-  const int64_t* lens;
-  T* out;  // [n, heads, dim]
-  int64_t n, heads, kv_heads, dim, max_blocks, block_size, window;
-  float scale;
-
-  int64_t group() const { return heads / kv_heads; }
-  int64_t first(int64_t seq) const {
-    return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
-  }
-  // Offset of the row of KV head g at `offset` in `block`.
-  int64_t at(int64_t block, int64_t g, int64_t offset) const {
-    return ((block * kv_heads + g) * block_size + offset) * dim;
-  }
-  // Offset of token t's row of KV head g of sequence seq.
-  int64_t row(int64_t seq, int64_t t, int64_t g) const {
-    return at(table[seq * max_blocks + t / block_size], g, t % block_size);
-  }
-};
-
 #if defined(__AVX512F__)
+using tandem::attention::transpose_sum;
 using tandem::kLanes;
 using tandem::load_lanes;
 using tandem::store_lanes;
 
 constexpr int64_t kTile = 16;      // tokens per tile: one vector of scores
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head (the most we serve: 8)
-
-// sums[i] := the sum of v[i]'s 16 lanes, for i < 16: three rounds of pairwise
-// shuffles and adds instead of sixteen horizontal reductions.
-inline __m512 transpose_sum(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (v2i: 0+2, v2i+1: 0+2, v2i: 1+3, v2i+1: 1+3)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v4i .. v4i+3, each that lane's sum
-    const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-  }
-  // Add the four 128-bit lanes: lane j of the result holds b[j]'s totals.
-  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
-                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
 
 // acc[h][c .. c + W) += sum over the tile's tokens i of weights[h][i] * tile[i][c ..]:
 // W vectors accumulated in registers across the tile.
@@ -265,6 +225,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                      block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                      out.data_ptr<T>(), q.size(0), q.size(1), kv_heads, dim,
                      block_table.size(1), block_size, window, static_cast<float>(scale)};
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (tandem::attention::attend_bf16(p)) return;
+  }
 #if defined(__AVX512F__)
   if (dim % kLanes == 0 && p.group() <= kMaxGroup) return attend_tiled(p);
 #endif
