@@ -22,7 +22,7 @@ sockets), every sequence with a 128-token context. One step is split into:
 The profiled shares are applied to the unprofiled step time (the profiler's own overhead
 is not charged to any part). Writes ``bench/results/step_profile-MODEL-DTYPE.json``.
 
-    .venv/bin/python -m bench.step_profile [--batches 1 8 32] [--steps 30]
+    .venv/bin/python -m bench.step_profile [--batches 1 8 32] [--steps 30] [--name NAME]
 """
 
 from __future__ import annotations
@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--name", default=None, help="results name (default: step_profile-MODEL-DTYPE)"
+    )
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     setup = Setup(args.model, dtype, max(args.batches))
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         f"context {CONTEXT}"
     )
     print_table(headers, table)
-    name = f"step_profile-{args.model}-{str(dtype).removeprefix('torch.')}"
+    name = args.name or f"step_profile-{args.model}-{str(dtype).removeprefix('torch.')}"
     write_results(
         name,
         {"args": vars(args), "context": CONTEXT, "machine": vars(machine), "rows": rows},
