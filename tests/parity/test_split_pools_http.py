@@ -1,9 +1,10 @@
 """Split pools give the unified pool's greedy outputs, token for token (float32; ties as
-ARCHITECTURE.md defines them): 16 concurrent requests with prompts of 5 to 3,000 tokens
-(some longer than the step budget, some sharing a prefix), through prefill and decode
-pools handing KV over shared memory and over TCP, with conditional disaggregation on and
-off. SmolLM2 runs in every suite; Gemma-3-270M (sliding-window layers) and the other
-combinations under ``slow``."""
+ARCHITECTURE.md defines them): 16 concurrent requests with prompts of 5 to 750 tokens
+(some longer than the step budget of 512, some sharing a prefix, the longest past
+Gemma's 512-token sliding window), through prefill and decode pools handing KV over
+shared memory and over TCP, with conditional disaggregation on and off. SmolLM2 runs in
+every suite; Gemma-3-270M (sliding-window layers) and the other combinations under
+``slow``."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
 from tests.stack import TandemStack
 
 MAX_TOKENS = 12
-# Long prompts first, so that the shorter ones arrive while the prefill pool is busy.
-LENGTHS = [3000, 2600, 5, 2100, 12, 1700, 40, 1100, 150, 700, 400]
-SHARED_TAILS = [20, 40, 200, 600, 1900]  # after one 600-token prefix
-BASE = ("--dtype", "float32", "--max-num-seqs", "16")
+# Long prompts first, so that the shorter ones arrive while the prefill pool is busy. A
+# step budget of a quarter of the default keeps prompts past it at a quarter of the
+# float32 prefill work (which took most of this file's ~7 minutes at 3,000 tokens).
+LENGTHS = [750, 650, 5, 525, 12, 425, 40, 275, 150, 175, 100]
+SHARED_TAILS = [5, 10, 50, 150, 475]  # after one 150-token prefix
+STEP_BUDGET = 512
+BASE = ("--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", str(STEP_BUDGET))
 WORDS = [
     "river",
     "stone",
@@ -68,9 +72,10 @@ def prompts(model: str) -> list[list[int]]:
     text = " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(9000))
     ids: list[int] = tok.encode(text, add_special_tokens=False)
     out = [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
-    shared = ids[4000:4600]
+    shared = ids[4000:4150]
     out += [shared + ids[5000 + 50 * i : 5000 + 50 * i + n] for i, n in enumerate(SHARED_TAILS)]
-    assert len(out) == 16 and max(map(len, out)) == 3000
+    assert len(out) == 16 and max(map(len, out)) == 750
+    assert sum(len(p) > STEP_BUDGET for p in out) >= 3  # chunked over several steps
     return out
 
 
@@ -137,7 +142,7 @@ def split(
         kv_transfer,
         # on: short prompts stay in the decode pool (shm: while prefill is busy)
         "--disagg-min-prompt-tokens",
-        "200" if conditional else "0",
+        "50" if conditional else "0",
     ]
     if prefill_tp == decode_tp == 1:
         # Both workers take both cores (default: one each), as the unified reference does:
