@@ -170,7 +170,11 @@ class DecoderModel(nn.Module):
     def __init__(self, args: DecoderArgs, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
         vocab = tp.split(args.vocab_size, "vocabulary")
-        self.embed_tokens = nn.Embedding(vocab, args.hidden_size)
+        # An empty weight (every model is built on the meta device and loaded from disk):
+        # nn.Embedding's own random init would import torch._dynamo there, ~1 s a start.
+        self.embed_tokens = nn.Embedding(
+            vocab, args.hidden_size, _weight=torch.empty(vocab, args.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(args, i, ops, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops, args.norm == "gemma")
 
