@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 import time
 from types import FrameType
 
@@ -28,7 +27,13 @@ from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.logs import setup_logging
 from common.model_files import resolve_model_dir
-from common.process import EXIT_ENGINE_DIED, PARENT_DIED, die_with_parent, record_exit_reason
+from common.process import (
+    EXIT_ENGINE_DIED,
+    PARENT_DIED,
+    die_with_parent,
+    exit_without_teardown,
+    record_exit_reason,
+)
 
 logger = logging.getLogger("api_server")
 
@@ -194,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -1,3 +1,4 @@
+from common.process import exit_without_teardown
 from worker.worker import main
 
-main()
+exit_without_teardown(main())

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -296,7 +295,7 @@ def run_worker(
         ctx.term()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from common.cli_args import add_cli_args
@@ -328,8 +327,4 @@ def main(argv: list[str] | None = None) -> None:
     pool = PoolRole[args.pool.upper()]
     name = f"worker-{args.rank}" if pool == PoolRole.UNIFIED else f"{pool}-worker-{args.rank}"
     setup_logging(config.server.log_level, name)
-    sys.exit(run_worker(config, args.rank, args.worker_address, pool, args.tp_init_address))
-
-
-if __name__ == "__main__":
-    main()
+    return run_worker(config, args.rank, args.worker_address, pool, args.tp_init_address)
