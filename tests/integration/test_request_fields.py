@@ -201,6 +201,7 @@ def generated_tokens(url: str) -> float:
     raise AssertionError("no tandem:generation_tokens_total in /metrics")
 
 
+@pytest.mark.slow  # the test budget puts guidellm under slow (../shared/WAVE2-NOTES.md)
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_guidellm_runs_without_errors(
     server: TandemStack, smollm2_dir: Path, guidellm: str, tmp_path: Path, route: str

@@ -34,7 +34,16 @@ PROMPTS = {
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module", params=sorted(PROMPTS))
+# Gemma's leg (~2.5 minutes: transformers dequantizes its GGUF in numpy, then generates)
+# is under slow; the fast suite keeps Gemma's GGUF logits parity (test_gguf_models.py) and
+# the tiny random Gemma 3 checkpoints (test_family_logits.py).
+@pytest.fixture(
+    scope="module",
+    params=[
+        "smollm2-135m-instruct",
+        pytest.param("gemma-3-270m", marks=pytest.mark.slow),
+    ],
+)
 def model_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
