@@ -2,13 +2,14 @@
 // y = x W^T (+ bias), x bfloat16 [M, K], W the file's blocks, y float32.
 //
 // A bfloat16 row times a small integer quant is exact in float32, so the quants of the
-// 32-weight formats are turned into exact bfloat16 values by a table lookup (VPERMW: the
-// nibble is the index) and dotted with the rows by VDPBF16PS, 32 products a register
-// summed into float32 lanes. Per block that is a third of the float32 path's work (widen
-// every quant to 32 bits, convert, multiply twice: gguf_linear.cpp), which at batch 1 was
-// what bounded the step, not the memory: the products are the same exact values, only
-// summed in another order, and each block's sum is scaled by its float16 scale (plus its
-// min times the block's sum of x) as there.
+// 4- and 5-bit formats are turned into exact bfloat16 values by a table lookup (VPERMW:
+// the nibble is the index) and dotted with the rows by VDPBF16PS, 16 pairs a register
+// summed into float32 lanes, instead of widening every quant to 32 bits, converting it
+// and multiplying twice (gguf_linear.cpp). At batch 1 that arithmetic, not the memory,
+// bounded the pass (SmolLM2's 92 MiB took 5.3 ms where a plain read of them takes 2.9);
+// a block costs 1.75 ns here against 2.09 in cache. The products are the same exact
+// values, only summed in another order, and each block's sum is scaled by its float16
+// scale (plus its min times the block's sum of x) as there.
 //
 // Up to kMaxRows rows: past that, dequantizing a block once for every row (the float32
 // path) costs less than looking its quants up again per row. Q8_0 (a byte a quant: two
@@ -17,11 +18,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <vector>
 
 #include "gguf_formats.h"
