@@ -324,9 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument(
-        "--name", default=None, help="results name (default: step_profile-MODEL-DTYPE)"
-    )
+    p.add_argument("--name", default=None, help="results name (default: step_profile-MODEL-DTYPE)")
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     setup = Setup(args.model, dtype, max(args.batches))
