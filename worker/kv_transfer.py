@@ -84,19 +84,21 @@ def _block_rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_blocks(caches: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:
-    """``[layers, 2, len(blocks), kv_heads * block_size * dim]``: one contiguous copy."""
-    index = torch.tensor(blocks, dtype=torch.long)
+    """``[layers, 2, len(blocks), kv_heads * block_size * dim]``: one contiguous copy, on
+    the caches' device (a GPU's blocks go to the host only once resharded, for the wire)."""
     first = _block_rows(caches[0])
-    out = torch.empty((len(caches), 2, len(blocks), first.shape[2]), dtype=first.dtype)
+    index = torch.tensor(blocks, dtype=torch.long, device=first.device)
+    out = first.new_empty((len(caches), 2, len(blocks), first.shape[2]))
     for layer, cache in enumerate(caches):
         torch.index_select(_block_rows(cache), 1, index, out=out[layer])
     return out
 
 
 def scatter_layer(cache: torch.Tensor, rows: torch.Tensor, blocks: list[int]) -> None:
-    """Write one layer's ``[2, len(blocks), row]`` into ``blocks`` of its cache."""
-    index = torch.tensor(blocks, dtype=torch.long)
-    _block_rows(cache).index_copy_(1, index, rows)
+    """Write one layer's ``[2, len(blocks), row]`` (host memory off the wire) into
+    ``blocks`` of its cache, on whichever device the cache is."""
+    index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+    _block_rows(cache).index_copy_(1, index, rows.to(cache.device))
 
 
 def _crc32(frames: list[memoryview]) -> int:
@@ -144,7 +146,7 @@ class KVSender:
         payload = gather_blocks(caches, order.block_ids)
         reshard = self._reshard
         if reshard is None:
-            self._work.put((order.transfer_id, [(order.destinations[0], payload)]))
+            self._work.put((order.transfer_id, [(order.destinations[0], payload.cpu())]))
             return
         full = gather_heads(payload, reshard.tp, reshard.source, self._block_size)
         if full is None:
@@ -154,7 +156,7 @@ class KVSender:
             self._failures.put(KVTransferResult(order.transfer_id, False, error))
             return
         pieces = [
-            (address, heads_for(full, reshard.dest.heads(rank)))
+            (address, heads_for(full, reshard.dest.heads(rank)).cpu())
             for rank, address in enumerate(order.destinations)
         ]
         self._work.put((order.transfer_id, pieces))

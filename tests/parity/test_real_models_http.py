@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import EMBEDDED_MODELS, find_embedded_gguf, resolve_model_dir
 from tests.parity.ties import assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack, completion
+from tests.stack import CPU_WORKERS, TandemStack, completion
 
 PROMPTS = {
     "smollm2-135m-instruct": [
@@ -65,7 +65,7 @@ def gguf_served_url(model_name: str) -> Iterator[str]:
     if model_name == "smollm2-135m-instruct":
         model = str(find_embedded_gguf(EMBEDDED_MODELS[model_name]))
     flags = ("--model", model, "--served-model-name", model_name, "--quantization", "gguf")
-    with TandemStack(*flags, "--dtype", "float32") as stack:
+    with TandemStack(*flags, "--dtype", "float32", env=CPU_WORKERS) as stack:
         yield stack.url
 
 
