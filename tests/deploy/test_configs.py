@@ -152,6 +152,9 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
         assert "ServiceMonitor" in kinds and "Secret" in kinds
         assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split"))
     (config,) = (d for d in docs if d["kind"] == "ConfigMap")
+    if overlay == "split":  # GPU workers cannot share KV through /dev/shm: loopback TCP
+        expected = "tcp" if "gpu.enabled=true" in extras else "shm"
+        assert config["data"]["TANDEM_KV_TRANSFER"] == expected
     for deployment in (d for d in docs if d["kind"] == "Deployment"):
         shutdown_s = int(config["data"]["TANDEM_SHUTDOWN_TIMEOUT"])
         check_pod(deployment["spec"]["template"]["spec"], "gpu.enabled=true" in extras, shutdown_s)
