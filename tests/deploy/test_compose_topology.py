@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from common.process import dies_with_this_process
 from common.shm import SHM_DIR
 from tests.stack import free_port
 
@@ -53,7 +54,8 @@ def commands(suffix: str, port: int) -> dict[str, tuple[list[str], dict[str, str
 def topology(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[str]:
     port = free_port()
     procs = [
-        subprocess.Popen(argv, env=env) for argv, env in commands(request.param, port).values()
+        subprocess.Popen(argv, env=dies_with_this_process(env))
+        for argv, env in commands(request.param, port).values()
     ]
     url = f"http://127.0.0.1:{port}"
     try:

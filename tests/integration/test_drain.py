@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from common.process import dies_with_this_process
 from tests.stack import TandemStack, free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -130,8 +131,9 @@ def test_processes_run_apart_drain_on_sigterm_together(smollm2_dir: Path, tmp_pa
         f"ipc://{tmp_path}/out.sock",
     ]
     flags = ["--model", str(smollm2_dir), "--served-model-name", MODEL, "--port", str(port)]
-    engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags, *addresses])
-    api = subprocess.Popen([sys.executable, "-m", "api_server", *flags, *addresses])
+    env = dies_with_this_process()  # no process outlives a killed test run
+    engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags, *addresses], env=env)
+    api = subprocess.Popen([sys.executable, "-m", "api_server", *flags, *addresses], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -16,6 +16,7 @@ import pytest
 
 from common.config import EngineAddresses
 from common.ipc import make_runtime_dir
+from common.process import dies_with_this_process
 from tests.stack import TandemStack, completion, free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -126,7 +127,8 @@ def test_api_server_alone_reports_loading_until_an_engine_comes(smollm2_dir: Pat
         "--output-address",
         addresses.output_address,
     ]
-    api = subprocess.Popen([sys.executable, "-m", "api_server", *flags])
+    env = dies_with_this_process()  # no process outlives a killed test run
+    api = subprocess.Popen([sys.executable, "-m", "api_server", *flags], env=env)
     engine = None
     try:
         url = f"http://127.0.0.1:{port}"
@@ -150,7 +152,7 @@ def test_api_server_alone_reports_loading_until_an_engine_comes(smollm2_dir: Pat
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
 
-        engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags])
+        engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags], env=env)
         deadline = time.monotonic() + 120
         reasons = set()
         while httpx.get(f"{url}/health", timeout=2).status_code != 200:

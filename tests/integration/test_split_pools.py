@@ -5,7 +5,6 @@ worker killed mid-hand-off, and every process started by its own command."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from common.process import dies_with_this_process
 from common.shm import SHM_DIR
 from tests.dashboard import exported_names, metric_names, split_row_panels
 from tests.stack import TandemStack, free_port
@@ -163,7 +163,7 @@ def test_every_process_by_its_own_command(smollm2_dir: Path, tmp_path: Path) -> 
         *SPLIT, "--kv-transfer", "tcp", "--external-workers", "--service-id", "apart",
         *(x for pair in addresses.items() for x in pair),
     ]  # fmt: skip
-    env = dict(os.environ)
+    env = dies_with_this_process()  # no process outlives a killed test run
     engine = subprocess.Popen([sys.executable, "-m", "engine_core", *flags], env=env)
     workers = [
         subprocess.Popen(
