@@ -152,12 +152,12 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
         assert "ServiceMonitor" in kinds and "Secret" in kinds
         assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split"))
     (config,) = (d for d in docs if d["kind"] == "ConfigMap")
+    gpu = "gpu.enabled=true" in extras
     if overlay == "split":  # GPU workers cannot share KV through /dev/shm: loopback TCP
-        expected = "tcp" if "gpu.enabled=true" in extras else "shm"
-        assert config["data"]["TANDEM_KV_TRANSFER"] == expected
+        assert config["data"]["TANDEM_KV_TRANSFER"] == ("tcp" if gpu else "shm")
     for deployment in (d for d in docs if d["kind"] == "Deployment"):
         shutdown_s = int(config["data"]["TANDEM_SHUTDOWN_TIMEOUT"])
-        check_pod(deployment["spec"]["template"]["spec"], "gpu.enabled=true" in extras, shutdown_s)
+        check_pod(deployment["spec"]["template"]["spec"], gpu, shutdown_s)
 
 
 def check_pod(pod: dict[str, Any], gpu: bool, shutdown_s: int) -> None:

@@ -2,8 +2,8 @@
 workers find a GPU and use it. A unified pool and prefill/decode pools handing KV over
 TCP (GPU blocks gathered on the device, sent from host memory, scattered on the device)
 give the same greedy tokens, float32, ties as ARCHITECTURE.md defines them; what runs
-on the CPU only (the shared-memory hand-off, the GGUF kernels) is refused with a reason. Marked ``gpu``
-(conftest skips them, saying why, where there is no CUDA device)."""
+on the CPU only (the shared-memory hand-off, the GGUF kernels) is refused with a reason.
+Marked ``gpu`` (conftest skips them, saying why, where there is no CUDA device)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from tests.parity.ties import assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack, free_port
+from tests.stack import TandemStack, completion, free_port
 
 pytestmark = pytest.mark.gpu
 MODEL = "smollm2-135m-instruct"
@@ -26,19 +25,11 @@ LENGTHS = [700, 5, 300, 60, 40]  # 700 and 300 prefill in several steps of 256
 
 
 def generate(stack: TandemStack, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
-    for prompt in prompts:
-        body = {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": 12,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        outputs.append(list(r.json()["choices"][0]["token_ids"]))
-    return outputs
+    greedy = {"max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    return [
+        list(completion(stack.url, prompt, model=MODEL, **greedy)["choices"][0]["token_ids"])
+        for prompt in prompts
+    ]
 
 
 def test_split_pools_on_cuda_hand_kv_over_tcp_and_match_the_unified_pool(
