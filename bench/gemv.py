@@ -1,6 +1,8 @@
 """``python -m bench.gemv``: one decode step's projections, oneDNN's prepacked matmul
 against Tandem's GEMV (AVX512-BF16 to 4 rows, AMX to 32 where the CPU has it), at 1-32
-rows, beside the weight-bandwidth floor.
+rows, beside the weight-bandwidth floor. The GEMV's weights lie in huge pages, as the
+worker puts them (``worker/huge_pages.py``); the same kernel over a copy in ordinary
+4 KiB pages shows what that is worth.
 
 Every projection of the model (fused q/k/v, o, fused gate/up, down, per layer, then the
 LM head) gets its own random bfloat16 weight of the checkpoint's shape, so one pass reads
@@ -23,6 +25,7 @@ from torch import nn
 from bench.floor import bandwidth_gb_s
 from bench.harness import median_ms_interleaved, print_table, write_results
 from common.model_files import resolve_model_dir
+from worker.huge_pages import move_to_huge_pages
 from worker.models.loader import read_hf_config
 from worker.models.packed_linear import PackedLinear
 from worker.native import NativeKernels, load_native_kernels
@@ -44,6 +47,7 @@ def time_rows(
     shapes: list[tuple[int, int]],
     linears: list[PackedLinear],
     plain: list[torch.Tensor],
+    small_pages: list[torch.Tensor],
     kernels: NativeKernels,
     passes: int,
 ) -> dict[str, float]:
@@ -54,13 +58,17 @@ def time_rows(
         for linear, (_, i) in zip(linears, shapes, strict=True):
             linear(xs[i])
 
-    def gemv() -> None:
-        for weight, (_, i) in zip(plain, shapes, strict=True):
-            kernels.bf16_gemv(xs[i], weight, None)
+    def gemv_over(weights: list[torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            for weight, (_, i) in zip(weights, shapes, strict=True):
+                kernels.bf16_gemv(xs[i], weight, None)
+
+        return run
 
     kinds: dict[str, Callable[[], None]] = {"onednn": onednn}
     if all(rows <= kernels.bf16_gemv_max_rows(o, i) for o, i in shapes):  # the kernel's limit
-        kinds["gemv"] = gemv
+        kinds["gemv"] = gemv_over(plain)
+        kinds["gemv_4k"] = gemv_over(small_pages)
     medians = median_ms_interleaved(kinds, passes)
     return {"rows": rows, **{f"{k}_ms": ms for k, ms in medians.items()}}
 
@@ -77,22 +85,28 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     shapes = projection_shapes(args.model)
     linears = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16)) for o, i in shapes]
-    plain = [torch.randn(o, i).to(torch.bfloat16) for o, i in shapes]  # the GEMV's weights
+    small_pages = [torch.randn(o, i).to(torch.bfloat16) for o, i in shapes]
+    plain = [w.clone() for w in small_pages]  # the GEMV's weights, moved as the worker does
+    move_to_huge_pages(plain)
     weight_bytes = sum(o * i * 2 for o, i in shapes)
     bw = bandwidth_gb_s()["read_gb_s"]
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    results = [time_rows(rows, shapes, linears, plain, kernels, args.passes) for rows in args.rows]
+    results = [
+        time_rows(rows, shapes, linears, plain, small_pages, kernels, args.passes)
+        for rows in args.rows
+    ]
     print(
         f"{args.model}: {len(shapes)} projections, {weight_bytes / 2**20:.0f} MiB bf16, "
         f"{torch.get_num_threads()} threads; read {bw:.1f} GB/s -> floor {floor_ms:.2f} ms"
     )
     print_table(
-        ["rows", "oneDNN ms", "GEMV ms", "GEMV speedup", "GEMV / floor"],
+        ["rows", "oneDNN ms", "GEMV ms", "GEMV, 4 KiB pages", "GEMV speedup", "GEMV / floor"],
         [
             [
                 r["rows"],
                 f"{r['onednn_ms']:.2f}",
                 f"{r['gemv_ms']:.2f}" if "gemv_ms" in r else "-",
+                f"{r['gemv_4k_ms']:.2f}" if "gemv_4k_ms" in r else "-",
                 f"{r['onednn_ms'] / r['gemv_ms']:.2f}x" if "gemv_ms" in r else "-",
                 f"{r['gemv_ms'] / floor_ms:.2f}x" if "gemv_ms" in r else "-",
             ]

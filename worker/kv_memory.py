@@ -14,16 +14,13 @@ pages nearly every block costs a TLB miss (``docs/benchmarks.md``, "Decode atten
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 from multiprocessing import shared_memory
 
 import torch
 
 from common.shm import attach_segment
-
-HUGE_PAGE = 2 << 20
+from worker.huge_pages import huge_page_memory
 
 
 def local_caches(
@@ -39,18 +36,6 @@ def local_caches(
     per_layer = math.prod(layer_shape)
     flat = huge_page_memory(per_layer * num_layers * dtype.itemsize).view(dtype).zero_()
     return [flat[i * per_layer : (i + 1) * per_layer].view(layer_shape) for i in range(num_layers)]
-
-
-def huge_page_memory(num_bytes: int) -> torch.Tensor:
-    """``num_bytes`` of fresh anonymous memory (uint8), 2 MiB aligned, advised to be backed
-    by transparent huge pages. The tensor keeps the mapping alive; it is unmapped with the
-    last view of it."""
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages, as before
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
-    return raw[skip : skip + num_bytes]
 
 
 class SharedCaches:

@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from worker.huge_pages import move_to_huge_pages
 from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.gguf_weights import GgufFile
 from worker.models.packed_linear import can_pack, pack_linears
-from worker.models.quant_linear import quantize_linears
+from worker.models.quant_linear import QuantLinear, quantize_linears
 from worker.models.registry import model_class_for
 from worker.ops import NativeOps, Ops, TorchOps
 from worker.parallel import TensorParallel
@@ -131,11 +132,24 @@ def load_model(
             pack_linears(model, gemv),
             "; a few rows on the AVX512-BF16 GEMV (AMX from 3 where the tiles fit)" if gemv else "",
         )
+    if device.type == "cpu":
+        moved = move_to_huge_pages(_streamed_weights(model))
+        logger.info("weights on huge pages: %.0f MiB", moved / 2**20)
     if isinstance(model, DecoderLM) and ops is not None:
         model.fused_decode = DecodeStack.build(model, ops)
         if model.fused_decode is not None:
             logger.info("decode-only steps run every layer in one native call")
     return model.eval()
+
+
+def _streamed_weights(model: CausalLM) -> Iterator[torch.Tensor]:
+    """Every weight tensor a step reads, in the model's order: parameters, buffers (the
+    GEMV's plain copies) and GGUF blocks."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from (b for b in module.buffers(recurse=False) if b is not None)
+        if isinstance(module, QuantLinear):
+            yield from module.block_tensors()
 
 
 def _keep_quantized(

@@ -65,6 +65,11 @@ class QuantLinear(nn.Module):
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the weight's blocks (``worker.huge_pages`` moves them in
+        place)."""
+        return [s.data for s in self.segments]
+
     @property
     def nbytes(self) -> int:
         return sum(s.data.numel() for s in self.segments)
