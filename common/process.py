@@ -101,9 +101,16 @@ def small_thread_env() -> dict[str, str]:
     return env
 
 
+# glibc (2.35 and later) then advises its large chunks to be transparent huge pages:
+# oneDNN's packed weights and the activations, which a worker cannot place itself (its
+# plain weights it moves, ``worker/huge_pages.py``). Older glibc and other libcs ignore it.
+_HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb=1"
+
+
 def worker_env() -> dict[str, str]:
     """The environment a worker starts with: the thread settings the user gave the
-    launcher, not the engine core's single-thread ones."""
+    launcher, not the engine core's single-thread ones, and malloc on huge pages unless
+    the user's ``GLIBC_TUNABLES`` says otherwise."""
     env = dict(os.environ)
     for key in _SMALL_THREADS:
         saved = env.pop(_SAVED_PREFIX + key, None)
@@ -111,6 +118,9 @@ def worker_env() -> dict[str, str]:
             env[key] = saved
         elif env.get(key) == _SMALL_THREADS[key]:
             env.pop(key)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, _HUGE_PAGE_MALLOC) if t)
     return env
 
 
