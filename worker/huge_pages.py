@@ -4,7 +4,7 @@
 A batch-1 decode step reads every projection weight once, start to end, and is bound by
 the memory's speed. In 4 KiB pages each page costs a TLB miss and the hardware
 prefetchers restart at every page boundary; in 2 MiB pages the GEMV over SmolLM2's
-projections and LM head ran 8-10% faster on an AMD EPYC (``python -m bench.gemv``,
+projections and LM head ran 5-14% faster on an AMD EPYC (``python -m bench.gemv``,
 "4 KiB pages" against the default). PyTorch's allocator gives large tensors plain
 ``malloc`` memory, which THP backs only where ``/sys/kernel/mm/transparent_hugepage/
 enabled`` is ``always``; the common default is ``madvise``, so Tandem asks for them. Where
@@ -66,12 +66,12 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             continue
         seen.add(id(t))
         groups.setdefault(t.data_ptr(), []).append(t)
-    sizes = [group[0].numel() * group[0].element_size() for group in groups.values()]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
     if not groups:
         return 0
+    sizes = [group[0].numel() * group[0].element_size() for group in groups.values()]
+    offsets = [0]  # each copy's start, then the end of the last
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
     arena = huge_page_memory(offsets[-1])
     for group, size, start in zip(groups.values(), sizes, offsets, strict=False):
         place = arena[start : start + size]
