@@ -1,5 +1,5 @@
 """Memory backed by transparent huge pages, for what decode steps stream: the KV caches
-(``worker/kv_memory.py``) and the weights (``move_weights_to_huge_pages``).
+(``worker/kv_memory.py``) and the weights (``move_to_huge_pages``).
 
 A batch-1 decode step reads every projection weight once, start to end, and is bound by
 the memory's speed. In 4 KiB pages each page costs a TLB miss and the hardware
@@ -73,7 +73,7 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     for size in sizes:
         offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
     arena = huge_page_memory(offsets[-1])
-    for group, size, start in zip(groups.values(), sizes, offsets, strict=False):
+    for group, size, start in zip(groups.values(), sizes, offsets[:-1], strict=True):
         place = arena[start : start + size]
         place.copy_(group[0].view(-1).view(torch.uint8))
         for t in group:

@@ -38,8 +38,3 @@ def mapping_of(address: int) -> Mapping:
             name, _, value = line.partition(":")
             fields[name] = value
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address``."""
-    return mapping_of(address).vm_flags

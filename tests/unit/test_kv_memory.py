@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.smaps import thp_available, vm_flags
+from tests.unit.smaps import mapping_of, thp_available
 from worker.huge_pages import HUGE_PAGE
 from worker.kv_memory import local_caches
 
@@ -21,4 +21,4 @@ def test_layers_are_zeroed_disjoint_views_of_one_aligned_mapping() -> None:
     caches[1].fill_(1)
     assert not caches[0].any() and not caches[2].any()
     if thp_available():
-        assert "hg" in vm_flags(caches[0].data_ptr())
+        assert "hg" in mapping_of(caches[0].data_ptr()).vm_flags

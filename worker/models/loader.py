@@ -147,7 +147,7 @@ def _streamed_weights(model: CausalLM) -> Iterator[torch.Tensor]:
     GEMV's plain copies) and GGUF blocks."""
     for module in model.modules():
         yield from module.parameters(recurse=False)
-        yield from (b for b in module.buffers(recurse=False) if b is not None)
+        yield from module.buffers(recurse=False)  # None buffers are skipped
         if isinstance(module, QuantLinear):
             yield from module.block_tensors()
 
