@@ -1,7 +1,9 @@
 """``python -m bench.serving``: the serving benchmark. Tandem and its peers take the same
-seeded requests over one window, interleaved point by point (this host's speed drifts,
-so only figures from one run compare); a table on stdout, JSON in bench/results/, PNG
-plots in docs/img/.
+seeded requests over one window, interleaved point by point, and at one client request
+by request: request 1 to every system, then request 2, each round in a rotated order.
+This host's memory bandwidth drifts by 10-30% over minutes, so a system measured a
+minute after another could be flattered or wronged by the drift alone; only figures
+from one run compare. A table on stdout, JSON in bench/results/, PNG plots in docs/img/.
 
 Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching (async scheduling: the next step planned while the worker runs this one)
@@ -94,7 +96,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-itl-p95-s", type=float, default=0.2)
     p.add_argument("--name", default=None, help="results name (default: serving-<workload>)")
+    p.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="at one client, run each system's requests as one block (as at higher "
+        "concurrency) instead of request by request",
+    )
     return p.parse_args(argv)
+
+
+def interleaved_order(systems: list[str], num_requests: int) -> list[tuple[int, str]]:
+    """(request index, system) pairs: every system takes request i before any takes
+    i + 1, the systems' order rotated by one each round so that none always goes first
+    (right after another system's request) or last."""
+    order = []
+    for i in range(num_requests):
+        shift = i % len(systems) if systems else 0
+        order += [(i, system) for system in systems[shift:] + systems[:shift]]
+    return order
 
 
 class Systems:
@@ -242,16 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         for system, reason in systems.skipped.items():
             print(f"skipped {system}: {reason}")
         for c, requests in _points(args):
-            for system, run in systems.runners.items():
-                tree = system not in systems.in_process
-                paused = system in systems.paused_between_points
-                if paused:
-                    vllm.resume(systems.pids[system])
-                with PeakRss(systems.pids[system], recursive=tree) as peak:
-                    results, wall = run(requests, c)
-                if paused:
-                    vllm.pause(systems.pids[system])
-                peaks[system] = max(peaks.get(system, 0), peak.bytes)
+            runs = _run_point(systems, requests, c, peaks)
+            for system, (results, wall) in runs.items():
                 summary = summarize(results, wall, slo)
                 kinds = sorted({r.kind for r in requests})
                 by_kind = {
@@ -281,6 +293,33 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
     report(args, name, points, peaks, systems.skipped)
+
+
+def _run_point(
+    systems: Systems, requests: list[BenchRequest], c: int, peaks: dict[str, int]
+) -> dict[str, tuple[list[RequestResult], float]]:
+    """Each system's results and wall time at one point (its wall: the sum of the
+    spans it was being measured, so interleaving does not dilute its throughput)."""
+    names = list(systems.runners)
+    order: list[tuple[int | None, str]] = [(None, system) for system in names]  # all at once
+    if c == 1 and systems.args.interleave and systems.args.rate is None:
+        order = list(interleaved_order(names, len(requests)))
+    results: dict[str, list[RequestResult]] = {system: [] for system in names}
+    walls = dict.fromkeys(names, 0.0)
+    for index, system in order:
+        batch = requests if index is None else [requests[index]]
+        tree = system not in systems.in_process
+        paused = system in systems.paused_between_points
+        if paused:
+            vllm.resume(systems.pids[system])
+        with PeakRss(systems.pids[system], recursive=tree) as peak:
+            got, wall = systems.runners[system](batch, c)
+        if paused:
+            vllm.pause(systems.pids[system])
+        peaks[system] = max(peaks.get(system, 0), peak.bytes)
+        results[system] += got
+        walls[system] += wall
+    return {system: (results[system], walls[system]) for system in names}
 
 
 def _ms(value: float | None) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.peers.transformers_peer import sequential_results
-from bench.serving import yardstick
+from bench.serving import interleaved_order, yardstick
 from bench.stats import RequestResult, Slo, chunk_text, meets, parse_sse_line, summarize
 from bench.workloads import make_requests
 
@@ -113,3 +113,19 @@ def test_yardstick_states_12s_goals_met_or_not() -> None:
     assert "peak RSS: tandem (all processes) = 0.67x vLLM's; goal <= 1x -> met" in text
     points[-1] = point("llama-server", 32, 300, 0.05, 0.070)
     assert "-> below every peer" in "\n".join(yardstick(points, {}))
+
+
+def test_one_client_points_interleave_request_by_request() -> None:
+    order = interleaved_order(["a", "b", "c"], 4)
+    assert order == [
+        (0, "a"), (0, "b"), (0, "c"),
+        (1, "b"), (1, "c"), (1, "a"),
+        (2, "c"), (2, "a"), (2, "b"),
+        (3, "a"), (3, "b"), (3, "c"),
+    ]  # fmt: skip
+    # Every system takes every request once, in order; none is always first.
+    for system in "abc":
+        assert [i for i, s in order if s == system] == [0, 1, 2, 3]
+    firsts = [order[3 * i][1] for i in range(4)]
+    assert set(firsts) == {"a", "b", "c"}
+    assert interleaved_order(["alone"], 2) == [(0, "alone"), (1, "alone")]
