@@ -30,7 +30,7 @@ import contextlib
 import itertools
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -299,11 +299,12 @@ def _run_point(
     systems: Systems, requests: list[BenchRequest], c: int, peaks: dict[str, int]
 ) -> dict[str, tuple[list[RequestResult], float]]:
     """Each system's results and wall time at one point (its wall: the sum of the
-    spans it was being measured, so interleaving does not dilute its throughput)."""
+    spans it was being measured, so interleaving does not dilute its throughput).
+    Interleaved, each request is a run of its own, so its ``start_s`` is ~0."""
     names = list(systems.runners)
-    order: list[tuple[int | None, str]] = [(None, system) for system in names]  # all at once
+    order: Sequence[tuple[int | None, str]] = [(None, system) for system in names]  # all at once
     if c == 1 and systems.args.interleave and systems.args.rate is None:
-        order = list(interleaved_order(names, len(requests)))
+        order = interleaved_order(names, len(requests))
     results: dict[str, list[RequestResult]] = {system: [] for system in names}
     walls = dict.fromkeys(names, 0.0)
     for index, system in order:
