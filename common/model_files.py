@@ -142,11 +142,44 @@ def gguf_architecture(path: Path) -> str:
 
 def ensure_local_gguf_converted(path: Path) -> Path:
     """A local GGUF file converted like an embedded model, cached under a name that
-    changes when the file does (its path, size and modification time)."""
+    changes when the file does (its path, size and modification time). A new conversion
+    removes the older ones of the same path: the file there has changed (or was
+    installed again), and each conversion is the size of the float32 weights."""
     path = path.resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return _convert_once(f"gguf-{path.stem}-{key}", gguf_architecture(path), lambda _: path)
+    name = f"gguf-{path.stem}-{key}"
+    if (cache_root() / "models" / name / _COMPLETE_MARKER).is_file():
+        return cache_root() / "models" / name
+    target = _convert_once(name, gguf_architecture(path), lambda _: path)
+    _remove_older_conversions(path, keep=target)
+    return target
+
+
+def _remove_older_conversions(source: Path, keep: Path) -> None:
+    """Delete every cached conversion of ``source`` but ``keep`` (and its lock file),
+    each under its own lock so that none is removed while it is being written. A server
+    still running on an older one keeps the weights it loaded (they are copied into
+    memory), but a worker it starts again would not find them: the file has changed."""
+    for directory in keep.parent.glob(f"gguf-{source.stem}-*"):
+        if directory == keep or not directory.is_dir():
+            continue
+        lock = directory.parent / f".{directory.name}.lock"
+        with _exclusive(lock):
+            if _marker(directory).get("source") != str(source):
+                continue  # another file of the same name, or not finished converting
+            logger.info("removing %s, converted from an older %s", directory, source)
+            shutil.rmtree(directory, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+
+
+def _marker(directory: Path) -> dict[str, Any]:
+    """What a finished conversion records (its source file), or {} if there is none."""
+    try:
+        info = json.loads((directory / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def gguf_source(name_or_path: str) -> Path:
@@ -169,9 +202,8 @@ def gguf_source(name_or_path: str) -> Path:
 
 def _converted_from(directory: Path) -> Path | None:
     """The GGUF a cached directory was converted from, if it was and the file is there."""
-    try:
-        info = json.loads((directory / _COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
+    info = _marker(directory)
+    if not info:
         return None
     # An embedded model's GGUF is found (or assembled) anew: an assembled one was scratch.
     embedded = EMBEDDED_MODELS.get(info.get("embedded") or directory.name)
