@@ -1,6 +1,7 @@
 """Tensor parallelism at size 2 against size 1 and transformers, every family (tiny
 random checkpoints, float32): each rank a real process in a gloo group, holding only its
-shard; logits within 1e-4 through a mixed batch of prefills and decodes over paged KV."""
+shard; logits within 1e-4 through a mixed batch of prefills and decodes over paged KV.
+One group of two rank processes runs every case (family and kernel path) in turn."""
 
 from __future__ import annotations
 
@@ -58,43 +59,70 @@ def run_scenario(
     return out, seqs
 
 
-def rank_main(rank: int, address: str, checkpoint: str, ops_name: str, out: str) -> None:
+CASES = [(family, ops_name) for family in sorted(FAMILIES) for ops_name in ("native", "torch")]
+
+
+def rank_main(rank: int, address: str, checkpoints: dict[str, str], out: str) -> None:
+    """One rank of the group, through every case in turn (one spawn and one group for
+    all of them: each start costs seconds). Rank 0 saves each case's logits, or what
+    went wrong in it, so that one case's failure is that case's alone."""
     torch.set_num_threads(1)
     tp = init_group(rank, 2, address, torch.device("cpu"))
+    results: dict[str, list[torch.Tensor] | str] = {}
     try:
-        logits, _ = run_scenario(Path(checkpoint), ops_name, tp)
+        for family, ops_name in CASES:
+            try:
+                results[f"{family}-{ops_name}"], _ = run_scenario(
+                    Path(checkpoints[family]), ops_name, tp
+                )
+            except Exception as e:  # reported by that case's test
+                results[f"{family}-{ops_name}"] = repr(e)
         if rank == 0:
-            torch.save(logits, out)
+            torch.save(results, out)
     finally:
         destroy_group(tp)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, PreTrainedModel]:
-    path = tmp_path_factory.mktemp(request.param)
-    return path, build(request.param, path)
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, PreTrainedModel]]:
+    built = {}
+    for name in sorted(FAMILIES):
+        path = tmp_path_factory.mktemp(name)
+        built[name] = (path, build(name, path))
+    return built
 
 
-@pytest.mark.parametrize("ops_name", ["native", "torch"])
-def test_two_ranks_equal_one_and_transformers(
-    family: tuple[Path, PreTrainedModel], ops_name: str, tmp_path: Path
-) -> None:
-    checkpoint, reference = family
+@pytest.fixture(scope="module")
+def sharded_logits(
+    families: dict[str, tuple[Path, PreTrainedModel]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[torch.Tensor] | str]:
+    """Every case's logits from one group of two rank processes."""
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    out = tmp_path / "logits.pt"
+    out = tmp_path_factory.mktemp("tp") / "logits.pt"
+    checkpoints = {name: str(path) for name, (path, _) in families.items()}
     spawn = multiprocessing.get_context("spawn")
     ranks = [
-        spawn.Process(target=rank_main, args=(r, address, str(checkpoint), ops_name, str(out)))
-        for r in range(2)
+        spawn.Process(target=rank_main, args=(r, address, checkpoints, str(out))) for r in range(2)
     ]
     for p in ranks:
         p.start()
     for p in ranks:
-        p.join(timeout=300)
+        p.join(timeout=600)
     assert [p.exitcode for p in ranks] == [0, 0]
-    sharded = torch.load(out)
+    results: dict[str, list[torch.Tensor] | str] = torch.load(out)
+    return results
+
+
+@pytest.mark.parametrize(("family", "ops_name"), CASES, ids=[f"{f}-{o}" for f, o in CASES])
+def test_two_ranks_equal_one_and_transformers(
+    families: dict[str, tuple[Path, PreTrainedModel]],
+    sharded_logits: dict[str, list[torch.Tensor] | str],
+    family: str,
+    ops_name: str,
+) -> None:
+    checkpoint, reference = families[family]
+    sharded = sharded_logits[f"{family}-{ops_name}"]
+    assert not isinstance(sharded, str), f"the two ranks failed: {sharded}"
     whole, seqs = run_scenario(checkpoint, ops_name, TensorParallel())
     assert len(sharded) == len(whole) == 5
     for s, w in zip(sharded, whole, strict=True):
