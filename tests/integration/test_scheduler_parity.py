@@ -1,7 +1,7 @@
 """Greedy outputs of 16 concurrent requests do not depend on how they were scheduled:
 prefix caching on or off, step budgets of 16, 64 or unlimited, a KV pool so small
-that requests are preempted and recomputed, or async scheduling (each step planned
-while the worker runs the last) with any of these."""
+that requests are preempted and recomputed, each with async scheduling (each step
+planned while the worker runs the last: the default) and some without it."""
 
 from __future__ import annotations
 
@@ -99,10 +99,10 @@ def test_prefix_cache_hits_change_nothing(baseline, logprobs_fn) -> None:
     [
         ("--no-enable-prefix-caching", "--max-num-batched-tokens", "8192"),
         ("--max-num-batched-tokens", "16"),
-        # Chunks of 64 also run scheduled ahead: one stack for both.
-        ("--async-scheduling", "--max-num-batched-tokens", "64"),
+        # Chunks of 64 also run with each step planned after the last: one stack for both.
+        ("--no-async-scheduling", "--max-num-batched-tokens", "64"),
     ],
-    ids=["prefix-cache-off", "budget-16", "async-budget-64"],
+    ids=["prefix-cache-off", "budget-16", "sync-budget-64"],
 )
 def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, logprobs_fn) -> None:
     with TandemStack(*BASE, *flags) as stack:
@@ -110,7 +110,9 @@ def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, log
     assert_same(outputs, baseline[0], logprobs_fn)
 
 
-@pytest.mark.parametrize("scheduling", [(), ("--async-scheduling",)], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "scheduling", [("--no-async-scheduling",), ("--async-scheduling",)], ids=["sync", "async"]
+)
 def test_preemption_changes_nothing(scheduling: tuple[str, ...], baseline, logprobs_fn) -> None:
     # Prompts of ~40 tokens take ~10 blocks of 4: 32 blocks admit three requests,
     # whose decodes then run out of blocks within a few tokens.

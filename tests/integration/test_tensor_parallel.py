@@ -61,7 +61,9 @@ def rank_of(proc: psutil.Process) -> str | None:
 
 @pytest.fixture(scope="module")
 def two_ranks(smollm2_dir: Path) -> Iterator[TandemStack]:
-    with TandemStack("--tensor-parallel-size", "2", "--dtype", "float32") as stack:
+    """Two ranks, each step planned after the last (the other test schedules ahead)."""
+    flags = ("--tensor-parallel-size", "2", "--dtype", "float32", "--no-async-scheduling")
+    with TandemStack(*flags) as stack:
         yield stack
 
 

@@ -194,13 +194,14 @@ def test_gemma_split_pools_match_the_unified_pool(
 
 
 # Pools of different tensor-parallel widths: the hand-off re-shards the KV heads (SmolLM2's
-# 3 KV heads lie 1 + 2 over two ranks). The tcp case also schedules async: each pool holds
+# 3 KV heads lie 1 + 2 over two ranks). The shm case plans each step after the last
+# (--no-async-scheduling); the tcp case schedules ahead (the default): each pool holds
 # two steps, so a hand-off's KV orders ride a step sent while the one before it runs, and
 # the decode pool's rank 0 broadcasts its tokens to rank 1 (the engine has not seen them
 # when it sends the next step).
 @pytest.mark.parametrize(
     ("kv_transfer", "prefill_tp", "decode_tp", "scheduling"),
-    [("shm", 2, 1, ()), ("tcp", 1, 2, ("--async-scheduling",))],
+    [("shm", 2, 1, ("--no-async-scheduling",)), ("tcp", 1, 2, ("--async-scheduling",))],
     ids=["shm-tp2-to-tp1", "tcp-tp1-to-tp2-async"],
 )
 def test_split_pools_of_different_widths_match_the_unified_pool(
@@ -222,8 +223,8 @@ def test_split_pools_of_different_widths_match_the_unified_pool(
 @pytest.mark.parametrize(
     ("kv_transfer", "prefill_tp", "decode_tp", "conditional", "scheduling"),
     [
-        ("shm", 1, 2, False, ()),
-        ("tcp", 2, 1, True, ()),
+        ("shm", 1, 2, False, ("--no-async-scheduling",)),
+        ("tcp", 2, 1, True, ("--no-async-scheduling",)),
         ("shm", 2, 2, False, ("--async-scheduling",)),
     ],
     ids=["shm-tp1-to-tp2", "tcp-tp2-to-tp1-conditional", "shm-tp2-to-tp2-async"],
