@@ -8,6 +8,12 @@ runs, and unlinks the segments when it stops. After a crash (SIGKILL) the lock i
 with the process, so the next engine to start finds the stale segments by that file —
 a segment whose service id no locked file claims is unlinked, whatever pids were reused.
 
+Every process that maps a segment also holds a shared lock on it (``flock`` works on
+``/dev/shm``) for as long as it has it mapped, so a segment in use is never taken for
+stale: not when the engine that owns it keeps its runtime directory somewhere else (another
+``XDG_RUNTIME_DIR``), and not while a crashed engine's workers still run. Another user's
+segments are not ours to probe or remove (0600), and are left alone.
+
 Python 3.11's ``SharedMemory`` registers even a segment it merely attached with the
 resource tracker, which would unlink it when that process exits; workers unregister
 (``attach_segment``), since the engine alone decides when a segment goes.
@@ -52,9 +58,11 @@ class ServiceLock:
     def __init__(self, runtime_dir: str, service_id: str) -> None:
         self.service_id = service_id
         self.path = Path(runtime_dir) / SERVICE_FILE
-        self.path.write_text(service_id)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        # Locked before the id is written: a file with an id in it is always claimed.
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, service_id.encode())
 
     def release(self) -> None:
         """Unlink the service's segments and drop the claim."""
@@ -90,9 +98,33 @@ def _claimed(service_file: Path) -> bool:
     return False
 
 
+def _unlink_if_unused(segment: Path) -> bool:
+    """Unlink ``segment`` unless a process has it mapped (it holds a shared lock) or it is
+    another user's; whether it was unlinked."""
+    try:
+        fd = os.open(segment, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        logger.info("leaving %s alone: another user's", segment.name)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.warning("leaving %s alone: unclaimed here but mapped by a process", segment.name)
+        return False
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
 def remove_stale(base: str | None = None) -> list[str]:
-    """Unlink every Tandem segment no running engine claims, and the runtime directories
-    of engines that died; returns the segments removed."""
+    """Unlink every Tandem segment that no running engine claims and no process has
+    mapped, and the runtime directories of engines that died; returns the segments
+    removed."""
     base = base or runtime_base()
     live: set[str] = set()
     for service_file in Path(base).glob(f"{PREFIX}*/{SERVICE_FILE}"):
@@ -104,8 +136,7 @@ def remove_stale(base: str | None = None) -> list[str]:
     if SHM_DIR.is_dir():
         for segment in SHM_DIR.glob(f"{PREFIX}*"):
             service_id = segment.name.removeprefix(PREFIX).rsplit("-", 1)[0]
-            if service_id not in live:
-                unlink_segment(segment.name)
+            if service_id not in live and _unlink_if_unused(segment):
                 removed.append(segment.name)
     if removed:
         logger.warning("removed %d stale shared-memory segment(s): %s", len(removed), removed)
@@ -114,7 +145,8 @@ def remove_stale(base: str | None = None) -> list[str]:
 
 def attach_segment(name: str, size: int, timeout_s: float = 60.0) -> shared_memory.SharedMemory:
     """Create the segment (0600) or, if another worker did first, map it once it has its
-    full size. Either way it stays off this process's resource tracker."""
+    full size. Either way it stays off this process's resource tracker, and in use (a
+    shared lock) until it is closed."""
     try:
         segment = shared_memory.SharedMemory(name=name, create=True, size=size)
     except FileExistsError:
@@ -129,12 +161,23 @@ def attach_segment(name: str, size: int, timeout_s: float = 60.0) -> shared_memo
                     f"shared-memory segment {name} never reached {size} bytes"
                 ) from None
             time.sleep(0.05)
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
+    return _in_use(segment)
 
 
 def map_segment(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment, whatever its size, off this process's resource tracker."""
-    segment = shared_memory.SharedMemory(name=name)
+    """Map an existing segment, whatever its size, off this process's resource tracker
+    and in use until it is closed."""
+    return _in_use(shared_memory.SharedMemory(name=name))
+
+
+def _in_use(segment: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
+    """Take ``segment`` off the resource tracker and hold a shared lock on it while its
+    descriptor is open (``close`` releases it), so ``remove_stale`` leaves it alone."""
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    fcntl.flock(segment._fd, fcntl.LOCK_SH)  # type: ignore[attr-defined]
+    if os.fstat(segment._fd).st_nlink == 0:  # type: ignore[attr-defined]
+        # Another engine's start took it for stale in the instant before the lock: the
+        # other processes of this pool would map a different segment by that name.
+        segment.close()
+        raise RuntimeError(f"shared-memory segment {segment.name} was removed as it was mapped")
     return segment

@@ -1,6 +1,7 @@
 """Split pools over shared memory: both pools' KV tensors are the same segment's memory,
 a hand-off copies nothing and decodes as a unified pool would, and segments no running
-engine claims are removed while claimed ones are left alone."""
+engine claims are removed while claimed ones, mapped ones and other users' are left
+alone."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from common.messages import CachedRequestData, NewRequestData, SamplingParams, S
 from common.shm import (
     SHM_DIR,
     ServiceLock,
+    attach_segment,
+    map_segment,
     new_service_id,
     remove_stale,
     segment_name,
@@ -89,9 +92,54 @@ def test_stale_segments_are_removed_and_claimed_ones_kept(tmp_path: Path) -> Non
         os.ftruncate(fd, 4096)
         os.close(fd)
     try:
-        removed = remove_stale(str(tmp_path))
-        assert sorted(removed) == sorted(names[1:])
+        removed = remove_stale(str(tmp_path))  # (and leftovers of earlier runs here)
+        assert names[0] not in removed and set(names[1:]) <= set(removed)
         assert (SHM_DIR / names[0]).exists() and not dead_dir.exists()
     finally:
         claim.release()  # unlinks the live service's segments too
     assert not any((SHM_DIR / n).exists() for n in names)
+
+
+def test_a_mapped_segment_is_never_taken_for_stale(tmp_path: Path) -> None:
+    """A segment no engine here claims (its engine keeps its runtime directory under
+    another XDG_RUNTIME_DIR, or crashed while its workers run on) stays while a process
+    has it mapped, and goes once none has."""
+    name = segment_name(new_service_id(), "kv")
+    segment = attach_segment(name, 4096)  # a worker's mapping of it
+    try:
+        assert name not in remove_stale(str(tmp_path))  # (others' leftovers may go)
+        assert (SHM_DIR / name).exists()
+        again = map_segment(name)  # a second mapping (the re-sharding worker's) counts too
+        segment.close()
+        assert name not in remove_stale(str(tmp_path)) and (SHM_DIR / name).exists()
+        again.close()
+        assert name in remove_stale(str(tmp_path))
+        assert not (SHM_DIR / name).exists()
+    finally:
+        segment.close()
+        unlink_segment(name)
+
+
+def test_another_users_segment_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's 0600 segment cannot be opened (root here could, so the refusal is
+    the one the kernel gives a user): it is neither removed nor an error at start."""
+    name = segment_name(new_service_id(), "kv")
+    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    real_open = os.open
+
+    def refuse_theirs(path: object, flags: int, *args: int) -> int:
+        if str(path) == str(SHM_DIR / name):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refuse_theirs)
+    try:
+        assert name not in remove_stale(str(tmp_path))
+        assert (SHM_DIR / name).exists()
+    finally:
+        monkeypatch.undo()
+        unlink_segment(name)
