@@ -149,8 +149,8 @@ def ensure_local_gguf_converted(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     name = f"gguf-{path.stem}-{key}"
-    if (cache_root() / "models" / name / _COMPLETE_MARKER).is_file():
-        return cache_root() / "models" / name
+    if (done := _finished(name)) is not None:  # no metadata read, nothing to remove
+        return done
     target = _convert_once(name, gguf_architecture(path), lambda _: path)
     _remove_older_conversions(path, keep=target)
     return target
@@ -241,18 +241,24 @@ def ensure_converted(model: EmbeddedModel) -> Path:
     )
 
 
+def _finished(name: str) -> Path | None:
+    """The cache's finished conversion ``models/NAME``, if there is one."""
+    target = cache_root() / "models" / name
+    return target if (target / _COMPLETE_MARKER).is_file() else None
+
+
 def _convert_once(
     name: str, architecture: str, locate: Callable[[Path], Path], embedded: str | None = None
 ) -> Path:
     """Convert the GGUF ``locate(scratch_dir)`` returns into ``models/NAME`` in the
     cache, once (under a file lock: another process may be converting right now)."""
+    if (done := _finished(name)) is not None:
+        return done
     target = cache_root() / "models" / name
-    if (target / _COMPLETE_MARKER).is_file():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.parent / f".{name}.lock"):  # another may be converting now
-        if (target / _COMPLETE_MARKER).is_file():
-            return target
+        if (done := _finished(name)) is not None:
+            return done
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
             parts = staging / "gguf"  # an assembled GGUF lives only while converting
