@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from common.grammar import grammar_text
@@ -66,6 +65,8 @@ class StructuredOutputs:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            # Both pull in transformers (~0.9 s): only a worker that is sent a grammar pays.
+            import llguidance.hf
             from transformers import AutoTokenizer
 
             hf: Any = AutoTokenizer.from_pretrained(str(self._model_dir))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from worker.huge_pages import move_to_huge_pages
 from worker.models.base import CausalLM
@@ -91,7 +92,7 @@ def load_model(
     config = read_hf_config(model_dir)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
         model = model_class_for(config)(config, ops or TorchOps(), tp or TensorParallel())
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     expected = dict(model.named_parameters())
     tied = model.tied_weights
     loaded: set[str] = set()
@@ -140,6 +141,29 @@ def load_model(
         if model.fused_decode is not None:
             logger.info("decode-only steps run every layer in one native call")
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer uninitialized storage on ``device``,
+    floating-point ones in ``dtype``: ``to_empty(device).to(dtype)`` without its meta
+    ``empty_like``, whose first call imports sympy and torch.fx (~0.9 s of every start).
+    A tensor registered in two modules stays one tensor."""
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        kind = dtype if t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=kind, device=device)
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in params:
+                    params[id(p)] = nn.Parameter(empty(p), p.requires_grad)
+                module._parameters[name] = params[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = buffers.setdefault(id(b), empty(b))
 
 
 def _streamed_weights(model: CausalLM) -> Iterator[torch.Tensor]:
