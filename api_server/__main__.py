@@ -23,6 +23,7 @@ from api_server.generation import CompletionService
 from api_server.http_protocol import with_header_timeout
 from api_server.rate_limit import RateLimiter
 from api_server.sampling_defaults import load_sampling_defaults
+from api_server.tokenizer_loader import load_tokenizer
 from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.logs import setup_logging
@@ -112,10 +113,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(config: TandemConfig) -> int:
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model_dir(config.model.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     defaults = load_sampling_defaults(model_dir, config.model.generation_config)
     logger.info("sampling defaults for fields a request omits: %s", defaults.describe())
     exit_code = 0
