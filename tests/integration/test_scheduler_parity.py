@@ -110,8 +110,12 @@ def test_scheduling_choices_change_nothing(flags: tuple[str, ...], baseline, log
     assert_same(outputs, baseline[0], logprobs_fn)
 
 
+# Preemption planned after each step is under slow; the fast suite preempts with the
+# default, async scheduling (and runs sync scheduling above, at a budget of 64).
 @pytest.mark.parametrize(
-    "scheduling", [("--no-async-scheduling",), ("--async-scheduling",)], ids=["sync", "async"]
+    "scheduling",
+    [pytest.param(("--no-async-scheduling",), marks=pytest.mark.slow), ("--async-scheduling",)],
+    ids=["sync", "async"],
 )
 def test_preemption_changes_nothing(scheduling: tuple[str, ...], baseline, logprobs_fn) -> None:
     # Prompts of ~40 tokens take ~10 blocks of 4: 32 blocks admit three requests,

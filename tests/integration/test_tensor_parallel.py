@@ -67,6 +67,9 @@ def two_ranks(smollm2_dir: Path) -> Iterator[TandemStack]:
         yield stack
 
 
+# Under slow: the fast suite serves two ranks with the default, async scheduling below
+# (and tests/parity/test_tensor_parallel.py steps them in process).
+@pytest.mark.slow
 def test_two_ranks_serve_the_greedy_tokens_of_one(
     two_ranks: TandemStack, server: TandemStack, smollm2_dir: Path
 ) -> None:
