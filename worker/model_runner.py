@@ -105,7 +105,10 @@ class ModelRunner:
         self.shared: SharedCaches | None = None
         if kv_segment is not None:
             if device.type != "cpu":
-                raise ValueError("--kv-transfer shm maps KV in host memory: CPU workers only")
+                raise ValueError(
+                    "--kv-transfer shm maps KV in host memory: CPU workers only "
+                    "(GPU workers hand KV off with --kv-transfer tcp)"
+                )
             self.shared = SharedCaches(kv_segment, layer_shape, self.model.num_layers, dtype)
             self.kv_caches = self.shared.caches
         else:
