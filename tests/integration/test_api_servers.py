@@ -64,6 +64,30 @@ def test_two_processes_serve_32_streams(two: TandemStack) -> None:
     assert sum(v for k, v in finished.items() if 'finished_reason="length"' in k) == 32
 
 
+def test_api_servers_serve_without_torch(two: TandemStack) -> None:
+    """Having answered chat requests (templates rendered, tokens detokenized), neither API
+    server has torch loaded (api_server/tokenizer_loader.py); the worker has, which shows
+    that the check sees it where it is."""
+    for _ in range(4):  # SO_REUSEPORT spreads connections: likely both processes serve one
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = httpx.post(f"{two.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    loaded = {
+        p.pid: (p.cmdline()[p.cmdline().index("-m") + 1], "libtorch" in maps(p.pid))
+        for p in two.descendants()
+    }
+    assert sorted(loaded.values()) == [
+        ("api_server", False),
+        ("api_server", False),
+        ("engine_core", False),
+        ("worker", True),
+    ]
+
+
+def maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
 def test_cancel_by_id_reaches_the_process_that_holds_the_request(two: TandemStack) -> None:
     async def cancel_one(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
         body = {
