@@ -32,6 +32,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def module_of(proc: psutil.Process) -> str | None:
+    """``<module>`` of a process started as ``python -m <module>``, else None."""
+    cmdline = proc.cmdline()
+    return cmdline[cmdline.index("-m") + 1] if "-m" in cmdline else None
+
+
 class TandemStack:
     """``tandem serve`` as a user runs it. ``start()`` waits for ``/health`` 200."""
 
@@ -87,8 +93,7 @@ class TandemStack:
     def process_named(self, module: str) -> psutil.Process:
         """The child started as ``python -m <module>``."""
         for p in self.descendants():
-            cmdline = p.cmdline()
-            if "-m" in cmdline and cmdline[cmdline.index("-m") + 1] == module:
+            if module_of(p) == module:
                 return p
         raise LookupError(f"no {module} process among {[p.cmdline() for p in self.descendants()]}")
 

@@ -163,7 +163,9 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
                 module._parameters[name] = params[id(p)]
         for name, b in module._buffers.items():
             if b is not None:
-                module._buffers[name] = buffers.setdefault(id(b), empty(b))
+                if id(b) not in buffers:
+                    buffers[id(b)] = empty(b)
+                module._buffers[name] = buffers[id(b)]
 
 
 def _streamed_weights(model: CausalLM) -> Iterator[torch.Tensor]:
