@@ -49,6 +49,7 @@ SOURCES = [
         "elementwise.cpp",
         "gemv.cpp",
         "amx_linear.cpp",
+        "bf16_gemm.cpp",
         "decode_stack.cpp",
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
@@ -125,6 +126,18 @@ class NativeKernels(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def has_amx_linear(self) -> bool: ...
+
+    def has_bf16_gemm(self) -> bool: ...
+
+    def bf16_gemm_packs(self) -> bool: ...
+
+    def bf16_gemm_pack(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def bf16_gemm(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
     def gguf_dequantize(
         self, weight: torch.Tensor, type: int, in_features: int, bfloat16: bool = False
     ) -> torch.Tensor: ...
@@ -141,6 +154,7 @@ class NativeKernels(Protocol):
         norms: list[torch.Tensor],
         plain: list[torch.Tensor | None],
         packed: list[torch.Tensor],
+        packings: list[int],
         biases: list[torch.Tensor | None],
         gguf_types: list[int],
         gguf_fused_max_rows: int,

@@ -18,7 +18,7 @@ from torch import nn
 
 from common.config import AttentionBackend
 from worker.attention import AttentionMetadata, decode_attention_torch
-from worker.models.packed_linear import Gemv
+from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, Packing
 from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
 from worker.structured import apply_bitmask_torch
 
@@ -75,6 +75,11 @@ class Ops(Protocol):
     @property
     def small_batch_linear(self) -> Gemv | None:
         """A bfloat16 GEMV for projections of a few rows (``PackedLinear``), if there is one."""
+
+    @property
+    def packing(self) -> Packing:
+        """How ``PackedLinear`` packs bfloat16 weights, and its matmul past the GEMV's rows."""
+        ...
 
 
 ACTIVATIONS = {
@@ -140,6 +145,10 @@ class TorchOps:
     @property
     def small_batch_linear(self) -> Gemv | None:
         return None
+
+    @property
+    def packing(self) -> Packing:
+        return ONEDNN
 
 
 class NativeOps(TorchOps):
@@ -210,6 +219,16 @@ class NativeOps(TorchOps):
         if not self.kernels.has_bf16_gemv():
             return None
         return Gemv(self.kernels.bf16_gemv, self.kernels.bf16_gemv_max_rows)
+
+    @property
+    def packing(self) -> Packing:
+        # The C++ side decides (bf16_gemm_packs: AVX512-BF16 built, no AMX), and asks the
+        # same question for the GEMV's rows, so the two agree.
+        if not self.kernels.bf16_gemm_packs():
+            return ONEDNN
+        return Packing(
+            "AVX512-BF16 GEMM", BF16_GEMM_CODE, self.kernels.bf16_gemm_pack, self.kernels.bf16_gemm
+        )
 
 
 def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:

@@ -15,7 +15,7 @@ from tests.parity.families import VOCAB, build
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.packed_linear import Gemv, PackedLinear
+from worker.models.packed_linear import ONEDNN, Gemv, PackedLinear, Packing
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -29,6 +29,10 @@ class NoGemvOps(NativeOps):
     @property
     def small_batch_linear(self) -> Gemv | None:
         return None
+
+    @property
+    def packing(self) -> Packing:
+        return ONEDNN
 
 
 def load(family: str, tmp_path: Path, gemv: bool = True) -> DecoderLM:

@@ -10,7 +10,8 @@
 // with optional bias, residual add + RMSNorm, fused gate/up, SiLU-and-multiply, down
 // projection, residual add) reads norms[2 l + i] (input, post-attention), plain[4 l + i]
 // and packed[4 l + i] (qkv, o, gate_up, down: the plain weight where the GEMV takes
-// a few rows, else none; oneDNN's packed one), biases[2 l + i] (qkv's, o's). With
+// a few rows, else none; the packed one: oneDNN's, or bf16_gemm's where
+// packings[4 l + i] is kBf16GemmPacking), biases[2 l + i] (qkv's, o's). With
 // --quantization gguf a projection is a QuantLinear instead: gguf_types[4 l + i] is its
 // ggml type (-1 for a PackedLinear), plain[4 l + i] its blocks, packed[4 l + i] unused.
 #include <ATen/ATen.h>
@@ -41,11 +42,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-// PackedLinear.forward: the GEMV's rows where the plain weight is kept, else oneDNN.
+// PackedLinear.forward: the GEMV's rows where the plain weight is kept, else the kernel
+// of the packed weight's layout.
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
-                  const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+                  const at::Tensor& packed, int64_t packing, const std::optional<at::Tensor>& bias) {
   if (plain.has_value() && x.size(0) <= bf16_gemv_max_rows(plain->size(0), plain->size(1)))
     return bf16_gemv(x, *plain, bias);
+  if (packing == kBf16GemmPacking) return bf16_gemm(x, packed, bias);
   return onednn_linear(x, packed, bias);
 }
 
@@ -69,13 +72,14 @@ at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, int64_
 struct Projections {
   const std::optional<at::Tensor>* plain;
   const at::Tensor* packed;
+  const int64_t* packings;
   const int64_t* gguf_types;
   int64_t gguf_fused_max_rows;
 
   at::Tensor operator()(size_t i, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
     if (gguf_types[i] >= 0)
       return gguf_projection(x, *plain[i], gguf_types[i], bias, gguf_fused_max_rows);
-    return linear(x, plain[i], packed[i], bias);
+    return linear(x, plain[i], packed[i], packings[i], bias);
   }
 };
 
@@ -86,6 +90,7 @@ struct Projections {
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                          const std::vector<std::optional<at::Tensor>>& plain,
                          const std::vector<at::Tensor>& packed,
+                         const std::vector<int64_t>& packings,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
@@ -97,6 +102,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
   TORCH_CHECK(norms.size() == layers * kNormsPerLayer &&
                   plain.size() == layers * kLinearsPerLayer &&
                   packed.size() == layers * kLinearsPerLayer &&
+                  packings.size() == layers * kLinearsPerLayer &&
                   gguf_types.size() == layers * kLinearsPerLayer &&
                   biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
               "decode_layers: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
@@ -108,7 +114,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* norm = &norms[l * kNormsPerLayer];
     const size_t first = l * kLinearsPerLayer;
-    const Projections proj{&plain[first], &packed[first], &gguf_types[first], gguf_fused_max_rows};
+    const Projections proj{&plain[first], &packed[first], &packings[first], &gguf_types[first],
+                           gguf_fused_max_rows};
     const std::optional<at::Tensor>* b = &biases[l * kBiasesPerLayer];
     // Attention.forward
     at::Tensor qkv = proj(0, rms_norm(x, norm[0], eps, false), b[0])

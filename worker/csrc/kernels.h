@@ -30,6 +30,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias);
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
+bool has_bf16_gemm();
+bool bf16_gemm_packs();
+at::Tensor bf16_gemm_pack(const at::Tensor& weight);
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
+                     const std::optional<at::Tensor>& bias);
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,
                            bool bfloat16);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
@@ -39,9 +44,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
 bool gguf_has_bf16_rows(int64_t type, int64_t rows);
 at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                                  const float* bias);
+// decode_layers' packings[i]: how projection i's packed weight is laid out.
+constexpr int64_t kOneDnnPacking = 0;    // torch.ops.mkldnn._reorder_linear_weight's
+constexpr int64_t kBf16GemmPacking = 1;  // bf16_gemm_pack's
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                          const std::vector<std::optional<at::Tensor>>& plain,
                          const std::vector<at::Tensor>& packed,
+                         const std::vector<int64_t>& packings,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,

@@ -20,6 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_features"), py::arg("in_features"));
   m.def("bf16_gemv", &bf16_gemv, "x W^T + b for a few bfloat16 rows, streaming W",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("has_amx_linear", &has_amx_linear, "whether amx_linear runs here (AMX-BF16 and leave)");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_gemm was built (AVX512-BF16)");
+  m.def("bf16_gemm_packs", &bf16_gemm_packs,
+        "whether bfloat16 projections past the GEMV's rows go to bf16_gemm (not oneDNN) here");
+  m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [out, in] weight in bf16_gemm's layout",
+        py::arg("weight"));
+  m.def("bf16_gemm", &bf16_gemm, "x W^T + b for bfloat16 rows, W from bf16_gemm_pack",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize,
         "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),
         py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);

@@ -3,8 +3,8 @@
 The interpreter costs ~6 ms a step whatever the batch (``bench/step_profile``): a fifth
 of a batch-1 step, more than its attention. ``worker/csrc/decode_stack.cpp`` runs the
 very kernels ``DecoderLayer.forward`` calls on ``NativeOps`` over ``PackedLinear``
-projections (the GEMV for the rows it takes where it exists, oneDNN's packed matmul
-otherwise), in the same order with the same arguments, so a step through it is
+projections (the GEMV for the rows it takes where it exists, the matmul of their
+``Packing`` otherwise), in the same order with the same arguments, so a step through it is
 bit-identical to one through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
@@ -19,7 +19,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderLayer, DecoderLM
-from worker.models.packed_linear import PackedLinear
+from worker.models.packed_linear import ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
 from worker.ops import NativeOps, Ops
 
@@ -37,7 +37,8 @@ class DecodeStack:
         self.rope = args.layer_ropes[0] if args.layer_ropes else "default"
         self.norms: list[torch.Tensor] = []
         self.plain: list[torch.Tensor | None] = []  # per projection: the GEMV's weight
-        self.packed: list[torch.Tensor] = []  # per projection: oneDNN's
+        self.packed: list[torch.Tensor] = []  # per projection: the packed weight
+        self.packings: list[int] = []  # per projection: its Packing's code
         self.gguf_types: list[int] = []  # per projection: its ggml type, -1 if not GGUF
         self.biases: list[torch.Tensor | None] = []
         unused = torch.empty(0)
@@ -55,10 +56,12 @@ class DecodeStack:
                     (segment,) = linear.segments
                     self.plain.append(segment.data)
                     self.packed.append(unused)
+                    self.packings.append(ONEDNN_CODE)  # unused
                     self.gguf_types.append(segment.type)
                 else:
                     self.plain.append(linear.weight)
                     self.packed.append(linear.packed_weight)
+                    self.packings.append(linear.packing.code)
                     self.gguf_types.append(-1)
             self.biases += [linears[0].bias, linears[1].bias]
 
@@ -112,6 +115,7 @@ class DecodeStack:
             self.norms,
             self.plain,
             self.packed,
+            self.packings,
             self.biases,
             self.gguf_types,
             FUSED_MAX_ROWS,

@@ -19,7 +19,7 @@ from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.gguf_weights import GgufFile
-from worker.models.packed_linear import can_pack, pack_linears
+from worker.models.packed_linear import ONEDNN, can_pack, pack_linears
 from worker.models.quant_linear import QuantLinear, quantize_linears
 from worker.models.registry import model_class_for
 from worker.ops import NativeOps, Ops, TorchOps
@@ -128,10 +128,12 @@ def load_model(
         _keep_quantized(model, config, quantized_from, ops, tp or TensorParallel(), device)
     if can_pack(dtype, device):
         gemv = ops.small_batch_linear if ops is not None else None
+        packing = ops.packing if ops is not None else ONEDNN
         logger.info(
-            "prepacked %d linear layers for oneDNN (bfloat16)%s",
-            pack_linears(model, gemv),
-            "; a few rows on the AVX512-BF16 GEMV (AMX from 3 where the tiles fit)" if gemv else "",
+            "prepacked %d linear layers for %s (bfloat16)%s",
+            pack_linears(model, gemv, packing),
+            packing.name,
+            "; a few rows on the AVX512-BF16 GEMV" if gemv else "",
         )
     if device.type == "cpu":
         moved = move_to_huge_pages(_streamed_weights(model))

@@ -1,5 +1,6 @@
-"""Linear layers for bfloat16 on CPU: oneDNN's prepacked matmul, and for decode steps of
-a few rows Tandem's streaming GEMV.
+"""Linear layers for bfloat16 on CPU: a matmul over a weight packed once at load time
+(oneDNN's, or Tandem's AVX512-BF16 GEMM where it is faster), and for decode steps of a
+few rows Tandem's streaming GEMV.
 
 A plain bfloat16 ``F.linear`` makes oneDNN reorder the weight into its blocked layout on
 every call, which costs about as much as the matmul at decode batch sizes. Reordering
@@ -15,6 +16,12 @@ CPUs 3-32 rows where a weight's shape fits its tiles), those rows go to it inste
 over the plain weight kept beside the packed one. That costs a second copy of the
 projection weights (the LM head of a tied model excepted: its plain weight is the
 embedding) and buys batch-1 steps at the memory floor (``python -m bench.gemv``).
+
+Past the GEMV's rows, on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5), Tandem's
+register-tiled GEMM (``NativeOps.packing``, ``worker/csrc/bf16_gemm.cpp``) replaces
+oneDNN: its packed copy takes the place of oneDNN's, and it is faster at every batch
+measured there, decode (1.3x at 32 rows) and prefill alike. A ``Packing`` is that choice,
+made once per process: how a weight is packed, and the kernel that multiplies by it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,31 @@ class Gemv:
     max_rows: Callable[[int, int], int]
 
 
+@dataclass(frozen=True)
+class Packing:
+    """A packed weight layout and the matmul over it."""
+
+    name: str
+    code: int  # its name in ``decode_layers`` (kOneDnnPacking, kBf16GemmPacking: kernels.h)
+    # ``weight [out, in] -> packed``, once at load time
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    # ``(x [rows, in], packed, bias [out] | None) -> [rows, out]``
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
+
+
+def _onednn_run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# decode_layers' codes for the two layouts (kOneDnnPacking, kBf16GemmPacking: kernels.h)
+ONEDNN_CODE, BF16_GEMM_CODE = 0, 1
+ONEDNN = Packing("oneDNN", ONEDNN_CODE, _onednn_pack, _onednn_run)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """bfloat16 on a CPU whose oneDNN computes in it: packing refuses CPUs without
     AVX512BW/VL/DQ or AVX-NE-CONVERT (AMD Zen 2/3, Intel before Skylake-SP), where the
@@ -58,20 +90,23 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight held in oneDNN's blocked layout (inference only);
-    given a ``gemv``, batches of up to the rows it takes for this shape go to it over the
-    plain weight, kept for it."""
+    """``nn.Linear`` with its weight held packed (oneDNN's blocked layout unless another
+    ``packing`` is given; inference only); given a ``gemv``, batches of up to the rows it
+    takes for this shape go to it over the plain weight, kept for it."""
 
     packed_weight: torch.Tensor
     weight: torch.Tensor | None  # the plain weight, kept only for the gemv
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, gemv: Gemv | None = None, packing: Packing = ONEDNN
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.packing = packing
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_HINT)
+            packed = packing.pack(linear.weight.detach().contiguous())
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
@@ -89,19 +124,17 @@ class PackedLinear(nn.Module):
         ):
             out = self.gemv.run(flat.contiguous(), self.weight, self.bias)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(
-                flat, self.packed_weight, self.bias, "none", [], ""
-            )
+            out = self.packing.run(flat.contiguous(), self.packed_weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module, gemv: Gemv | None = None) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear`` (with ``gemv`` for
-    small batches, if given); returns how many."""
+def pack_linears(model: nn.Module, gemv: Gemv | None = None, packing: Packing = ONEDNN) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear`` packed by
+    ``packing`` (with ``gemv`` for small batches, if given); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child, gemv))
+                setattr(parent, name, PackedLinear(child, gemv, packing))
                 count += 1
     return count

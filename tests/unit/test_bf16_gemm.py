@@ -1,0 +1,127 @@
+"""The AVX512-BF16 GEMM (``worker/csrc/bf16_gemm.cpp``) against float32 matmul rounded
+once to bfloat16, on whichever CPU runs the suite: built exactly where the GEMV is, chosen
+over oneDNN exactly where there is no AMX, an output row independent of the rest of the
+batch, and bad arguments refused. ``PackedLinear`` over its packing routes past the
+GEMV's rows to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.cpu import cpu_has
+from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear
+from worker.native import kernel_arch, load_native_kernels
+from worker.ops import NativeOps, TorchOps
+
+kernels = load_native_kernels()
+needs_gemm = pytest.mark.skipif(
+    not kernels.has_bf16_gemm(), reason="the kernels were built without AVX512-BF16"
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ w.float().T
+    return (out if b is None else out + b.float()).to(torch.bfloat16)
+
+
+def operands(
+    rows: int, out_features: int, in_features: int, bias: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed + rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+def test_built_with_the_gemv_and_chosen_where_there_is_no_amx() -> None:
+    assert kernels.has_bf16_gemm() == kernels.has_bf16_gemv()
+    if kernel_arch() == "native":
+        assert kernels.has_bf16_gemm() == cpu_has("avx512_bf16")
+        assert kernels.has_amx_linear() == cpu_has("amx_bf16")
+    packs = kernels.has_bf16_gemm() and not kernels.has_amx_linear()
+    assert kernels.bf16_gemm_packs() == packs
+    packing = NativeOps(kernels).packing
+    assert (packing.code == BF16_GEMM_CODE) == packs
+    assert packing is ONEDNN or packs
+    assert TorchOps().packing is ONEDNN
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 32, 33, 200])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    # whole groups of 48 outputs; a last group of 1 or 2 blocks; outputs past the last
+    # whole block; an odd input count
+    [(960, 576), (96, 64), (37, 70), (4, 1536), (50, 33)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float32_matmul(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    x, w, b = operands(rows, out_features, in_features, bias)
+    ours = kernels.bf16_gemm(x, kernels.bf16_gemm_pack(w), b)
+    ref = reference(x, w, b)
+    assert ours.shape == (rows, out_features) and ours.dtype == torch.bfloat16
+    # One rounding of a float32 sum; only the order of the float32 additions differs, so
+    # a result is the reference's or its bfloat16 neighbour, and almost always equal.
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-3)
+    assert ((ours.float() - ref.float()).abs() <= ulp).all()
+    assert (ours == ref).float().mean() >= 0.97
+
+
+@needs_gemm
+def test_a_row_comes_out_the_same_whatever_the_batch() -> None:
+    """A sequence's tokens do not change with who else is in the step, nor with which of
+    the 8-row tiles (or the tail) its row falls in."""
+    x, w, b = operands(40, 960, 576, True, seed=7)
+    packed = kernels.bf16_gemm_pack(w)
+    whole = kernels.bf16_gemm(x, packed, b)
+    for rows in (1, 5, 8, 9, 16, 17, 31):
+        assert torch.equal(kernels.bf16_gemm(x[:rows], packed, b), whole[:rows])
+    assert torch.equal(kernels.bf16_gemm(x[7:19], packed, b), whole[7:19])
+    assert kernels.bf16_gemm(x[:0], packed, b).shape == (0, 960)
+
+
+@needs_gemm
+def test_refuses_what_it_cannot_take() -> None:
+    w = torch.ones(48, 64, dtype=torch.bfloat16)
+    packed = kernels.bf16_gemm_pack(w)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_gemm(torch.ones(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match=r"does not hold \[48, 96\]"):
+        kernels.bf16_gemm(torch.ones(2, 96, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match=r"bias must be \[48\]"):
+        kernels.bf16_gemm(torch.ones(2, 64, dtype=torch.bfloat16), packed, torch.ones(47))
+    with pytest.raises(RuntimeError, match="bf16_gemm_pack"):
+        kernels.bf16_gemm(torch.ones(2, 64, dtype=torch.bfloat16), w.float(), None)
+    with pytest.raises(RuntimeError, match="empty"):
+        kernels.bf16_gemm_pack(torch.ones(0, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_gemm_pack(torch.ones(8, 64))
+
+
+@needs_gemm
+def test_packed_linear_sends_the_rows_past_the_gemv_to_it() -> None:
+    packing = NativeOps(kernels).packing
+    if packing is ONEDNN:  # an AMX CPU: oneDNN keeps them (test_gemv)
+        assert kernels.has_amx_linear()
+        return
+    calls: list[int] = []
+
+    def fake_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return nn.functional.linear(x, w, b)
+
+    torch.manual_seed(0)
+    linear = nn.Linear(70, 100).to(torch.bfloat16)
+    packed = PackedLinear(linear, Gemv(fake_gemv, lambda o, i: 2), packing)
+    assert packed.packing is packing and packed.weight is not None
+    for rows in (1, 2, 3, 8, 40):
+        x = torch.randn(rows, 70, dtype=torch.bfloat16)
+        ours, ref = packed(x), reference(x, linear.weight, linear.bias)
+        ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-3)
+        assert ((ours.float() - ref.float()).abs() <= ulp).all()
+    assert calls == [1, 2]  # the GEMV's rows; every other batch on the GEMM
+    x3 = torch.randn(2, 3, 70, dtype=torch.bfloat16)  # [batch, seq, in] flattens to 6 rows
+    assert torch.equal(packed(x3), packed(x3.reshape(6, 70)).reshape(2, 3, 100))

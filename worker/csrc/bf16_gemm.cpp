@@ -1,0 +1,190 @@
+// bfloat16 projections past the GEMV's rows on AVX512-BF16 CPUs without AMX: y = x W^T (+ b).
+//
+// At 32 rows a projection is compute-bound (32 FLOP per weight byte), and oneDNN's
+// prepacked matmul reaches ~0.27 TFLOP/s over SmolLM2's projections on an AMD EPYC
+// whose large GEMMs reach 0.44 (bench.floor); this kernel reaches ~0.36 there, and
+// 0.39-0.40 on prefills of 64-1,024 rows, where oneDNN's reach 0.31-0.38. It keeps the weight in the layout
+// VDPBF16PS wants as its right operand, 16 outputs x 2 inputs a vector, and broadcasts
+// a pair of x's bfloat16 inputs straight from memory into each product (an embedded
+// broadcast), so there is no horizontal sum and no repack of x:
+//
+//   packed[g][kp][b][16][2] = W[16 (3 g + b) + i][2 kp + j]   (zero past out/in)
+//
+// Groups g of three 16-output blocks (the last may hold fewer) lie one after another,
+// each group's K pairs in order, so a thread reads every group as one ascending stream
+// (several streams a row apart read slower on AMD: gemv.cpp). A tile is 8 rows x 48
+// outputs: 24 float32 accumulators in registers, 3 weight vectors and 8 broadcasts per
+// K pair for 24 products. A group (48 x in x 2 bytes: 55 KiB at in = 576) is read
+// from memory by the first 8 rows' tile and from cache by the others.
+//
+// Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
+// GEMV does; an output depends only on its own row of x, never on how many rows the call
+// has. Without AVX512-BF16 has_bf16_gemm() is false and oneDNN keeps those rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "kernels.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TANDEM_HAS_BF16_GEMM 1
+#else
+#define TANDEM_HAS_BF16_GEMM 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;          // outputs per vector
+constexpr int64_t kGroupBlocks = 3;     // blocks per group: 48 outputs a tile
+constexpr int64_t kTileRows = 8;        // rows of x per tile
+
+int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
+int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / kBlock; }
+
+#if TANDEM_HAS_BF16_GEMM
+constexpr int64_t kGroupsPerTask = 1;   // at::parallel_for grain, in groups
+
+// y[m0 + r][16 (3 g + b) + i] for r < R, b < B: one tile over every K pair.
+template <int R, int B>
+void tile(const uint32_t* x, int64_t x_pairs, const __m512bh* w, int64_t pairs,
+          const float* bias, int64_t out0, int64_t out_features, uint16_t* y, int64_t y_stride,
+          const __m512bh* next) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512bh wv[B];
+    if (next != nullptr)
+      for (int b = 0; b < B; ++b) _mm_prefetch((const char*)(next + kp * B + b), _MM_HINT_T1);
+    for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + kp * B + b);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * x_pairs + kp]);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t first = out0 + b * kBlock;
+    const int64_t valid = std::min<int64_t>(kBlock, out_features - first);
+    const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], add));
+      _mm256_mask_storeu_epi16(y + r * y_stride + first, mask, (__m256i)out);
+    }
+  }
+}
+
+template <int B>
+void group_rows(const uint32_t* x, int64_t rows, int64_t x_pairs, const __m512bh* w,
+                int64_t pairs, const float* bias, int64_t out0, int64_t out_features,
+                uint16_t* y, const __m512bh* next) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    tile<kTileRows, B>(x + r * x_pairs, x_pairs, w, pairs, bias, out0, out_features,
+                       y + r * out_features, out_features, r == 0 ? next : nullptr);
+  const uint32_t* xr = x + r * x_pairs;
+  uint16_t* yr = y + r * out_features;
+  switch (rows - r) {
+#define TANDEM_TAIL(R)                                                                         \
+  case R:                                                                                      \
+    tile<R, B>(xr, x_pairs, w, pairs, bias, out0, out_features, yr, out_features,              \
+               r == 0 ? next : nullptr);                                                       \
+    break;
+    TANDEM_TAIL(1) TANDEM_TAIL(2) TANDEM_TAIL(3) TANDEM_TAIL(4)
+    TANDEM_TAIL(5) TANDEM_TAIL(6) TANDEM_TAIL(7)
+#undef TANDEM_TAIL
+    default:
+      break;
+  }
+}
+#endif
+
+}  // namespace
+
+bool has_bf16_gemm() { return TANDEM_HAS_BF16_GEMM != 0; }
+
+// On AMX CPUs oneDNN's packed matmul computes prefills on the tiles and amx_linear takes
+// decode batches; elsewhere this kernel beat oneDNN at every row count measured, 2 to 1,024
+// (bench.gemv; docs/benchmarks.md), so it takes every batch past the GEMV's rows.
+bool bf16_gemm_packs() { return has_bf16_gemm() && !has_amx_linear(); }
+
+at::Tensor bf16_gemm_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.device().is_cpu(),
+              "bf16_gemm_pack: weight must be a CPU bfloat16 [out, in]");
+  TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "bf16_gemm_pack: an empty weight");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const int64_t blocks = blocks_of(out), pairs = padded_pairs(in);
+  // [blocks * 16, 2 pairs]: zero-padded W, then reordered group by group.
+  at::Tensor padded = at::zeros({blocks * kBlock, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
+  // Shaped [out, ceil(size / out)] (a few zeros past the layout) so that it carries out.
+  const int64_t size = blocks * kBlock * 2 * pairs;
+  at::Tensor packed = at::zeros({out, (size + out - 1) / out}, weight.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(padded.data_ptr<at::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());
+  for (int64_t g0 = 0; g0 < blocks; g0 += kGroupBlocks) {
+    const int64_t group = std::min(kGroupBlocks, blocks - g0);
+    uint32_t* out_group = dst + g0 * kBlock * pairs;
+    for (int64_t kp = 0; kp < pairs; ++kp)
+      for (int64_t b = 0; b < group; ++b)
+        for (int64_t i = 0; i < kBlock; ++i)
+          out_group[(kp * group + b) * kBlock + i] = src[((g0 + b) * kBlock + i) * pairs + kp];
+  }
+  return packed;
+}
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "bf16_gemm: x must be a CPU bfloat16 [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1), pairs = padded_pairs(in);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "bf16_gemm: packed must come from bf16_gemm_pack");
+  const int64_t out_features = packed.size(0), blocks = blocks_of(out_features);
+  const int64_t size = blocks * kBlock * 2 * pairs;
+  TORCH_CHECK(packed.numel() - size >= 0 && packed.numel() - size < out_features,
+              "bf16_gemm: packed weight does not hold [", out_features, ", ", in, "]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
+                "bf16_gemm: bias must be [", out_features, "]");
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+#if TANDEM_HAS_BF16_GEMM
+  // An odd in: x's last pair needs a zero partner, which the packed weight already has
+  // (a zero times anything finite adds nothing), so copy x into whole pairs.
+  at::Tensor xp = in % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr<at::BFloat16>());
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first_block = g * kGroupBlocks;
+      const int64_t group = std::min(kGroupBlocks, blocks - first_block);
+      const __m512bh* wg = w + first_block * pairs;
+      const int64_t out0 = first_block * kBlock;
+      // The next group's weights, fetched into L2 while this one's first tile runs (a
+      // full group's worth: the last group may be shorter, so only a full next one).
+      const bool full_next = g + 1 < end && blocks - first_block >= 2 * kGroupBlocks;
+      const __m512bh* next = full_next ? wg + kGroupBlocks * pairs : nullptr;
+      if (group == 3)
+        group_rows<3>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
+      else if (group == 2)
+        group_rows<2>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
+      else
+        group_rows<1>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
+    }
+  });
+#endif
+  return y;
+}
