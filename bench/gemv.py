@@ -1,6 +1,7 @@
 """``python -m bench.gemv``: one decode step's projections, oneDNN's prepacked matmul
-against Tandem's GEMV (AVX512-BF16 to 4 rows, AMX to 32 where the CPU has it), at 1-32
-rows, beside the weight-bandwidth floor. The GEMV's weights lie in huge pages, as the
+against Tandem's GEMV (AVX512-BF16 to 2 rows, or 4; AMX to 32 where the CPU has it) and
+its AVX512-BF16 GEMM (``bf16_gemm``, any rows), at 1-32 rows, beside the weight-bandwidth
+floor. The GEMV's weights lie in huge pages, as the
 worker puts them (``worker/huge_pages.py``); the same kernel over a copy in ordinary
 4 KiB pages shows what that is worth.
 
@@ -9,7 +10,7 @@ LM head) gets its own random bfloat16 weight of the checkpoint's shape, so one p
 the model's projection bytes from memory, not from cache, as a decode step does. The two
 kernels alternate pass by pass (the host drifts); each cell is the median of the passes.
 It decides how many rows the GEMV takes (``bf16_gemv_max_rows`` in
-``worker/csrc/gemv.cpp``). Writes ``bench/results/gemv-MODEL.json``.
+``worker/csrc/gemv.cpp``) and whether the GEMM replaces oneDNN (``bf16_gemm_packs``). Writes ``bench/results/gemv-MODEL.json``.
 
     .venv/bin/python -m bench.gemv [--rows 1 2 3 4 8 16 32] [--passes 15]
 """
@@ -48,6 +49,7 @@ def time_rows(
     linears: list[PackedLinear],
     plain: list[torch.Tensor],
     small_pages: list[torch.Tensor],
+    gemm_packed: list[torch.Tensor],
     kernels: NativeKernels,
     passes: int,
 ) -> dict[str, float]:
@@ -65,7 +67,11 @@ def time_rows(
 
         return run
 
-    kinds: dict[str, Callable[[], None]] = {"onednn": onednn}
+    def gemm() -> None:
+        for packed, (_, i) in zip(gemm_packed, shapes, strict=True):
+            kernels.bf16_gemm(xs[i], packed, None)
+
+    kinds: dict[str, Callable[[], None]] = {"onednn": onednn, "gemm": gemm}
     if all(rows <= kernels.bf16_gemv_max_rows(o, i) for o, i in shapes):  # the kernel's limit
         kinds["gemv"] = gemv_over(plain)
         kinds["gemv_4k"] = gemv_over(small_pages)
@@ -88,11 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     small_pages = [torch.randn(o, i).to(torch.bfloat16) for o, i in shapes]
     plain = [w.clone() for w in small_pages]  # the GEMV's weights, moved as the worker does
     move_to_huge_pages(plain)
+    gemm_packed = [kernels.bf16_gemm_pack(w) for w in small_pages]
+    move_to_huge_pages(gemm_packed)
     weight_bytes = sum(o * i * 2 for o, i in shapes)
     bw = bandwidth_gb_s()["read_gb_s"]
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     results = [
-        time_rows(rows, shapes, linears, plain, small_pages, kernels, args.passes)
+        time_rows(rows, shapes, linears, plain, small_pages, gemm_packed, kernels, args.passes)
         for rows in args.rows
     ]
     print(
@@ -100,11 +108,22 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} threads; read {bw:.1f} GB/s -> floor {floor_ms:.2f} ms"
     )
     print_table(
-        ["rows", "oneDNN ms", "GEMV ms", "GEMV, 4 KiB pages", "GEMV speedup", "GEMV / floor"],
+        [
+            "rows",
+            "oneDNN ms",
+            "GEMM ms",
+            "GEMM speedup",
+            "GEMV ms",
+            "GEMV, 4 KiB pages",
+            "GEMV speedup",
+            "GEMV / floor",
+        ],
         [
             [
                 r["rows"],
                 f"{r['onednn_ms']:.2f}",
+                f"{r['gemm_ms']:.2f}",
+                f"{r['onednn_ms'] / r['gemm_ms']:.2f}x",
                 f"{r['gemv_ms']:.2f}" if "gemv_ms" in r else "-",
                 f"{r['gemv_4k_ms']:.2f}" if "gemv_4k_ms" in r else "-",
                 f"{r['onednn_ms'] / r['gemv_ms']:.2f}x" if "gemv_ms" in r else "-",

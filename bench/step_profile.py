@@ -64,7 +64,7 @@ from worker.attention import AttentionMetadata
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
 from worker.models.decoder import DecoderLM, FusedDecode
-from worker.models.packed_linear import PackedLinear
+from worker.models.packed_linear import ONEDNN_CODE, PackedLinear
 
 CONTEXT = 128
 PARTS = (
@@ -158,9 +158,15 @@ def label_ops(runner: ModelRunner) -> None:
     for method, part in _OPS_LABELS.items():
         setattr(runner.ops, method, _label(part, getattr(runner.ops, method)))
     model_runner_module.sample = _label("sampling", model_runner_module.sample)
-    for module in runner.model.modules():  # the small-batch GEMV is held by each linear
-        if isinstance(module, PackedLinear) and module.gemv is not None:
-            module.gemv = dataclasses.replace(module.gemv, run=_label("matmul", module.gemv.run))
+    for module in runner.model.modules():  # each linear holds its GEMV and its packing
+        if isinstance(module, PackedLinear):
+            if module.gemv is not None:
+                module.gemv = dataclasses.replace(
+                    module.gemv, run=_label("matmul", module.gemv.run)
+                )
+            if module.packing.code != ONEDNN_CODE:  # oneDNN's is a torch op: labelled already
+                run = _label("matmul", module.packing.run)
+                module.packing = dataclasses.replace(module.packing, run=run)
     model = runner.model
     if isinstance(model, DecoderLM) and model.fused_decode is not None:
         # One call holds every layer's projections, attention, norms: not split further.
