@@ -8,14 +8,16 @@
 // a pair of x's bfloat16 inputs straight from memory into each product (an embedded
 // broadcast), so there is no horizontal sum and no repack of x:
 //
-//   packed[g][kp][b][16][2] = W[16 (3 g + b) + i][2 kp + j]   (zero past out/in)
+//   packed[g][kp][b][16][2] = W[16 (2 g + b) + i][2 kp + j]   (zero past out/in)
 //
-// Groups g of three 16-output blocks (the last may hold fewer) lie one after another,
+// Groups g of two 16-output blocks (the last may hold one) lie one after another,
 // each group's K pairs in order, so a thread reads every group as one ascending stream
-// (several streams a row apart read slower on AMD: gemv.cpp). A tile is 8 rows x 48
-// outputs: 24 float32 accumulators in registers, 3 weight vectors and 8 broadcasts per
-// K pair for 24 products. A group (48 x in x 2 bytes: 55 KiB at in = 576) is read
-// from memory by the first 8 rows' tile and from cache by the others.
+// (several streams a row apart read slower on AMD: gemv.cpp). A tile is 10 rows x 32
+// outputs: 20 float32 accumulators in registers, 2 weight vectors and 10 broadcasts per
+// K pair for 20 products. A group (32 x in x 2 bytes: 36 KiB at in = 576) is read
+// from memory by the first tile and from cache by the others. Of the tiles tried over
+// SmolLM2's layers (rows x outputs: 8 x 48, 9 x 48, 10 x 32, 12 x 32, 14 x 32), 10 x 32
+// and 14 x 32 were fastest at 4-32 rows, 8 x 48 slowest by 2-13%.
 //
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
@@ -39,8 +41,8 @@
 namespace {
 
 constexpr int64_t kBlock = 16;          // outputs per vector
-constexpr int64_t kGroupBlocks = 3;     // blocks per group: 48 outputs a tile
-constexpr int64_t kTileRows = 8;        // rows of x per tile
+constexpr int64_t kGroupBlocks = 2;     // blocks per group: 32 outputs a tile
+constexpr int64_t kTileRows = 10;       // rows of x per tile
 
 int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
 int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / kBlock; }
@@ -48,7 +50,7 @@ int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / k
 #if TANDEM_HAS_BF16_GEMM
 constexpr int64_t kGroupsPerTask = 1;   // at::parallel_for grain, in groups
 
-// y[m0 + r][16 (3 g + b) + i] for r < R, b < B: one tile over every K pair.
+// y[m0 + r][16 (2 g + b) + i] for r < R, b < B: one tile over every K pair.
 template <int R, int B>
 void tile(const uint32_t* x, int64_t x_pairs, const __m512bh* w, int64_t pairs,
           const float* bias, int64_t out0, int64_t out_features, uint16_t* y, int64_t y_stride,
@@ -95,7 +97,7 @@ void group_rows(const uint32_t* x, int64_t rows, int64_t x_pairs, const __m512bh
                r == 0 ? next : nullptr);                                                       \
     break;
     TANDEM_TAIL(1) TANDEM_TAIL(2) TANDEM_TAIL(3) TANDEM_TAIL(4)
-    TANDEM_TAIL(5) TANDEM_TAIL(6) TANDEM_TAIL(7)
+    TANDEM_TAIL(5) TANDEM_TAIL(6) TANDEM_TAIL(7) TANDEM_TAIL(8) TANDEM_TAIL(9)
 #undef TANDEM_TAIL
     default:
       break;
@@ -177,9 +179,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
       // full group's worth: the last group may be shorter, so only a full next one).
       const bool full_next = g + 1 < end && blocks - first_block >= 2 * kGroupBlocks;
       const __m512bh* next = full_next ? wg + kGroupBlocks * pairs : nullptr;
-      if (group == 3)
-        group_rows<3>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
-      else if (group == 2)
+      static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
+      if (group == 2)
         group_rows<2>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
       else
         group_rows<1>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
