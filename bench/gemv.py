@@ -1,16 +1,17 @@
 """``python -m bench.gemv``: one decode step's projections, oneDNN's prepacked matmul
 against Tandem's GEMV (AVX512-BF16 to 2 rows, or 4; AMX to 32 where the CPU has it) and
 its AVX512-BF16 GEMM (``bf16_gemm``, any rows), at 1-32 rows, beside the weight-bandwidth
-floor. The GEMV's weights lie in huge pages, as the
-worker puts them (``worker/huge_pages.py``); the same kernel over a copy in ordinary
-4 KiB pages shows what that is worth.
+floor. The GEMV's and the GEMM's weights lie in huge pages, as the worker puts them
+(``worker/huge_pages.py``); the GEMV over a copy in ordinary 4 KiB pages shows what that
+is worth.
 
 Every projection of the model (fused q/k/v, o, fused gate/up, down, per layer, then the
 LM head) gets its own random bfloat16 weight of the checkpoint's shape, so one pass reads
-the model's projection bytes from memory, not from cache, as a decode step does. The two
+the model's projection bytes from memory, not from cache, as a decode step does. The
 kernels alternate pass by pass (the host drifts); each cell is the median of the passes.
 It decides how many rows the GEMV takes (``bf16_gemv_max_rows`` in
-``worker/csrc/gemv.cpp``) and whether the GEMM replaces oneDNN (``bf16_gemm_packs``). Writes ``bench/results/gemv-MODEL.json``.
+``worker/csrc/gemv.cpp``) and whether the GEMM replaces oneDNN (``bf16_gemm_packs``).
+Writes ``bench/results/gemv-MODEL.json``.
 
     .venv/bin/python -m bench.gemv [--rows 1 2 3 4 8 16 32] [--passes 15]
 """

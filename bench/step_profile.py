@@ -64,7 +64,7 @@ from worker.attention import AttentionMetadata
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
 from worker.models.decoder import DecoderLM, FusedDecode
-from worker.models.packed_linear import ONEDNN_CODE, PackedLinear
+from worker.models.packed_linear import ONEDNN, PackedLinear
 
 CONTEXT = 128
 PARTS = (
@@ -164,7 +164,7 @@ def label_ops(runner: ModelRunner) -> None:
                 module.gemv = dataclasses.replace(
                     module.gemv, run=_label("matmul", module.gemv.run)
                 )
-            if module.packing.code != ONEDNN_CODE:  # oneDNN's is a torch op: labelled already
+            if module.packing is not ONEDNN:  # oneDNN's is a torch op: labelled already
                 run = _label("matmul", module.packing.run)
                 module.packing = dataclasses.replace(module.packing, run=run)
     model = runner.model

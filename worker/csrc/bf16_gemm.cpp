@@ -2,11 +2,11 @@
 //
 // At 32 rows a projection is compute-bound (32 FLOP per weight byte), and oneDNN's
 // prepacked matmul reaches ~0.27 TFLOP/s over SmolLM2's projections on an AMD EPYC
-// whose large GEMMs reach 0.44 (bench.floor); this kernel reaches ~0.36 there, and
-// 0.39-0.40 on prefills of 64-1,024 rows, where oneDNN's reach 0.31-0.38. It keeps the weight in the layout
-// VDPBF16PS wants as its right operand, 16 outputs x 2 inputs a vector, and broadcasts
-// a pair of x's bfloat16 inputs straight from memory into each product (an embedded
-// broadcast), so there is no horizontal sum and no repack of x:
+// whose large GEMMs reach 0.44 (bench.floor); this kernel reaches ~0.36-0.39 there, and
+// 0.38-0.39 on prefills of 128-1,024 rows, where oneDNN's reach 0.30-0.38. It keeps the
+// weight in the layout VDPBF16PS wants as its right operand, 16 outputs x 2 inputs a
+// vector, and broadcasts a pair of x's bfloat16 inputs at a time into every lane, so
+// there is no horizontal sum and no repack of x:
 //
 //   packed[g][kp][b][16][2] = W[16 (2 g + b) + i][2 kp + j]   (zero past out/in)
 //
@@ -50,11 +50,17 @@ int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / k
 #if TANDEM_HAS_BF16_GEMM
 constexpr int64_t kGroupsPerTask = 1;   // at::parallel_for grain, in groups
 
-// y[m0 + r][16 (2 g + b) + i] for r < R, b < B: one tile over every K pair.
+// A bfloat16 is a float's top half: 16 of them widened to floats (masked lanes zero).
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// y[r][out0 + 16 b + i] for r < R, b < B (x and y start at the tile's first row): one
+// tile over every K pair of x's rows (pairs each) and the group's weights w.
 template <int R, int B>
-void tile(const uint32_t* x, int64_t x_pairs, const __m512bh* w, int64_t pairs,
-          const float* bias, int64_t out0, int64_t out_features, uint16_t* y, int64_t y_stride,
-          const __m512bh* next) {
+void tile(const uint32_t* x, int64_t pairs, const __m512bh* w, const uint16_t* bias,
+          int64_t out0, int64_t out_features, uint16_t* y, const __m512bh* next) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -64,7 +70,7 @@ void tile(const uint32_t* x, int64_t x_pairs, const __m512bh* w, int64_t pairs,
       for (int b = 0; b < B; ++b) _mm_prefetch((const char*)(next + kp * B + b), _MM_HINT_T1);
     for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + kp * B + b);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * x_pairs + kp]);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + kp]);
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
@@ -72,29 +78,29 @@ void tile(const uint32_t* x, int64_t x_pairs, const __m512bh* w, int64_t pairs,
     const int64_t first = out0 + b * kBlock;
     const int64_t valid = std::min<int64_t>(kBlock, out_features - first);
     const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    const __m512 add = bias ? load_bf16(bias + first, mask) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], add));
-      _mm256_mask_storeu_epi16(y + r * y_stride + first, mask, (__m256i)out);
+      _mm256_mask_storeu_epi16(y + r * out_features + first, mask, (__m256i)out);
     }
   }
 }
 
+// Every row of x against one group: whole tiles of kTileRows, then the rest in one tile.
 template <int B>
-void group_rows(const uint32_t* x, int64_t rows, int64_t x_pairs, const __m512bh* w,
-                int64_t pairs, const float* bias, int64_t out0, int64_t out_features,
-                uint16_t* y, const __m512bh* next) {
+void group_rows(const uint32_t* x, int64_t rows, int64_t pairs, const __m512bh* w,
+                const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y,
+                const __m512bh* next) {
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
-    tile<kTileRows, B>(x + r * x_pairs, x_pairs, w, pairs, bias, out0, out_features,
-                       y + r * out_features, out_features, r == 0 ? next : nullptr);
-  const uint32_t* xr = x + r * x_pairs;
+    tile<kTileRows, B>(x + r * pairs, pairs, w, bias, out0, out_features, y + r * out_features,
+                       r == 0 ? next : nullptr);
+  const uint32_t* xr = x + r * pairs;
   uint16_t* yr = y + r * out_features;
   switch (rows - r) {
-#define TANDEM_TAIL(R)                                                                         \
-  case R:                                                                                      \
-    tile<R, B>(xr, x_pairs, w, pairs, bias, out0, out_features, yr, out_features,              \
-               r == 0 ? next : nullptr);                                                       \
+#define TANDEM_TAIL(R)                                                                       \
+  case R:                                                                                    \
+    tile<R, B>(xr, pairs, w, bias, out0, out_features, yr, r == 0 ? next : nullptr);         \
     break;
     TANDEM_TAIL(1) TANDEM_TAIL(2) TANDEM_TAIL(3) TANDEM_TAIL(4)
     TANDEM_TAIL(5) TANDEM_TAIL(6) TANDEM_TAIL(7) TANDEM_TAIL(8) TANDEM_TAIL(9)
@@ -121,22 +127,28 @@ at::Tensor bf16_gemm_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.size(0) > 0 && weight.size(1) > 0, "bf16_gemm_pack: an empty weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t blocks = blocks_of(out), pairs = padded_pairs(in);
-  // [blocks * 16, 2 pairs]: zero-padded W, then reordered group by group.
-  at::Tensor padded = at::zeros({blocks * kBlock, 2 * pairs}, weight.options());
-  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
-  // Shaped [out, ceil(size / out)] (a few zeros past the layout) so that it carries out.
+  // Shaped [out, ceil(size / out)] (a few zeros past the layout) so that it carries out;
+  // zeros also fill the outputs past out and the input past an odd in.
   const int64_t size = blocks * kBlock * 2 * pairs;
   at::Tensor packed = at::zeros({out, (size + out - 1) / out}, weight.options());
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(padded.data_ptr<at::BFloat16>());
-  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());
-  for (int64_t g0 = 0; g0 < blocks; g0 += kGroupBlocks) {
-    const int64_t group = std::min(kGroupBlocks, blocks - g0);
-    uint32_t* out_group = dst + g0 * kBlock * pairs;
-    for (int64_t kp = 0; kp < pairs; ++kp)
+  const at::Tensor w = weight.contiguous();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first_block = g * kGroupBlocks;
+      const int64_t group = std::min(kGroupBlocks, blocks - first_block);
+      uint16_t* out_group = dst + first_block * kBlock * 2 * pairs;
       for (int64_t b = 0; b < group; ++b)
-        for (int64_t i = 0; i < kBlock; ++i)
-          out_group[(kp * group + b) * kBlock + i] = src[((g0 + b) * kBlock + i) * pairs + kp];
-  }
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const int64_t row = (first_block + b) * kBlock + i;
+          if (row >= out) break;
+          for (int64_t k = 0; k < in; ++k)  // element (k / 2, b, i, k % 2) of the group
+            out_group[((k / 2 * group + b) * kBlock + i) * 2 + k % 2] = src[row * in + k];
+        }
+    }
+  });
   return packed;
 }
 
@@ -154,17 +166,17 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.numel() - size >= 0 && packed.numel() - size < out_features,
               "bf16_gemm: packed weight does not hold [", out_features, ", ", in, "]");
   if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
-                "bf16_gemm: bias must be [", out_features, "]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
+                    bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+                "bf16_gemm: bias must be [", out_features, "] contiguous bfloat16");
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
 #if TANDEM_HAS_BF16_GEMM
   // An odd in: x's last pair needs a zero partner, which the packed weight already has
   // (a zero times anything finite adds nothing), so copy x into whole pairs.
   at::Tensor xp = in % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0);
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const uint16_t* b =
+      bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr<at::BFloat16>());
   const __m512bh* w = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
   uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -181,9 +193,9 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
       const __m512bh* next = full_next ? wg + kGroupBlocks * pairs : nullptr;
       static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
       if (group == 2)
-        group_rows<2>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
+        group_rows<2>(xs, rows, pairs, wg, b, out0, out_features, ys, next);
       else
-        group_rows<1>(xs, rows, pairs, wg, pairs, b, out0, out_features, ys, next);
+        group_rows<1>(xs, rows, pairs, wg, b, out0, out_features, ys, next);
     }
   });
 #endif
