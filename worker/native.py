@@ -51,6 +51,7 @@ SOURCES = [
         "amx_linear.cpp",
         "bf16_gemm.cpp",
         "decode_stack.cpp",
+        "decode_rows.cpp",
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
     )
@@ -158,6 +159,29 @@ class NativeKernels(Protocol):
         biases: list[torch.Tensor | None],
         gguf_types: list[int],
         gguf_fused_max_rows: int,
+        kv_caches: list[torch.Tensor],
+        windows: list[int],
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def decode_rows_max_rows(self) -> int: ...
+
+    def decode_rows(
+        self,
+        x: torch.Tensor,
+        norms: list[torch.Tensor],
+        plain: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
         kv_caches: list[torch.Tensor],
         windows: list[int],
         slots: torch.Tensor,

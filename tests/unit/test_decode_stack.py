@@ -1,7 +1,9 @@
 """The fused decode step (every layer in one native call) against the Python layers it
 replaces, on tiny random bfloat16 checkpoints: bit-identical hidden states and KV caches
 for decode steps of 1 to 10 rows, with the small-batch GEMV and without it (oneDNN for
-every projection); chosen exactly for llama-shaped models, never for a prefill step."""
+every projection), steps of one or two rows on the GEMV through ``decode_rows`` and the
+others through ``decode_layers``; chosen exactly for llama-shaped models, never for a
+prefill step."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
 from tests.parity.families import VOCAB, build
 from worker.attention import AttentionMetadata, build_metadata
+from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
 from worker.models.packed_linear import ONEDNN, Gemv, PackedLinear, Packing
@@ -81,6 +84,9 @@ def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: P
         return takes(meta, num_tokens)
 
     fused.takes = counted  # type: ignore[method-assign]
+    assert isinstance(fused, DecodeStack)
+    calls = CountedKernels(fused.kernels)
+    fused.kernels = calls  # type: ignore[assignment]
 
     gen = torch.Generator().manual_seed(len(family))
     lengths = [int(n) for n in torch.randint(3, 14, (10,), generator=gen)]
@@ -118,3 +124,24 @@ def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: P
     for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
         assert torch.equal(fused_cache, python_cache)
     assert taken[1:] == [len(seqs) for seqs in batches]  # every decode step asked, and taken
+    raw_rows = 2 if uses_gemv else 0
+    assert fused.raw_rows == raw_rows
+    assert calls.rows == [len(seqs) for seqs in batches if len(seqs) <= raw_rows]
+    assert calls.layers == [len(seqs) for seqs in batches if len(seqs) > raw_rows]
+
+
+class CountedKernels:
+    """The native kernels, counting the rows of each fused step by the entry it took."""
+
+    def __init__(self, kernels: object) -> None:
+        self._kernels = kernels
+        self.rows: list[int] = []
+        self.layers: list[int] = []
+
+    def decode_rows(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self._kernels.decode_rows(x, *args)  # type: ignore[attr-defined]
+
+    def decode_layers(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self.layers.append(x.shape[0])
+        return self._kernels.decode_layers(x, *args)  # type: ignore[attr-defined]

@@ -216,25 +216,54 @@ void attend_plain(const Problem<T>& p) {
 }
 
 template <typename T>
+void attend_problem(const Problem<T>& p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (tandem::attention::attend_bf16(p)) return;
+  }
+#if defined(__AVX512F__)
+  if (p.dim % kLanes == 0 && p.group() <= kMaxGroup) return attend_tiled(p);
+#endif
+  attend_plain(p);
+}
+
+template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& context_lens,
                            at::Tensor& out, double scale, int64_t window, int64_t block_size) {
   const int64_t num_blocks = kv_cache.size(1), kv_heads = kv_cache.size(2), dim = q.size(2);
   const T* k = kv_cache.data_ptr<T>();
-  const Problem<T> p{q.data_ptr<T>(), k, k + num_blocks * kv_heads * block_size * dim,
-                     block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                     out.data_ptr<T>(), q.size(0), q.size(1), kv_heads, dim,
-                     block_table.size(1), block_size, window, static_cast<float>(scale)};
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (tandem::attention::attend_bf16(p)) return;
-  }
-#if defined(__AVX512F__)
-  if (dim % kLanes == 0 && p.group() <= kMaxGroup) return attend_tiled(p);
-#endif
-  attend_plain(p);
+  attend_problem(Problem<T>{q.data_ptr<T>(), k, k + num_blocks * kv_heads * block_size * dim,
+                            block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                            out.data_ptr<T>(), q.size(0), q.size(1), kv_heads, dim,
+                            block_table.size(1), block_size, window, static_cast<float>(scale)});
 }
 
 }  // namespace
+
+void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,
+                           int64_t n, int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.dim() == 2 && block_table.size(0) == n,
+              "block_table must be contiguous int64 [n, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == n,
+              "context_lens must be contiguous int64 [n]");
+  // Indices come from the runner's own metadata; checked anyway, since a bad one would
+  // read outside the cache.
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < block_table.size(0); ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "context length out of range");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[i * max_blocks + b] >= 0 && table[i * max_blocks + b] < num_blocks,
+                  "block id out of range");
+  }
+}
+
+void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>& p) {
+  attend_problem(p);
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens,
@@ -246,24 +275,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(2) == 0,
               "head shapes of q and kv_cache do not match");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
-                  block_table.dim() == 2 && block_table.size(0) == q.size(0),
-              "block_table must be contiguous int64 [n, max_blocks]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
-                  context_lens.numel() == q.size(0),
-              "context_lens must be contiguous int64 [n]");
   TORCH_CHECK(block_size == kv_cache.size(3), "block_size does not match kv_cache's");
-  // Indices come from the runner's own metadata; checked anyway, since a bad one would
-  // read outside the cache.
-  const int64_t num_blocks = kv_cache.size(1), max_blocks = block_table.size(1);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < q.size(0); ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "context length out of range");
-    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(table[i * max_blocks + b] >= 0 && table[i * max_blocks + b] < num_blocks,
-                  "block id out of range");
-  }
+  check_decode_metadata(block_table, context_lens, q.size(0), kv_cache.size(1), block_size);
   auto out = at::empty_like(q);
   tandem::dispatch_float_types(q.scalar_type(), "decode_attention", [&](auto tag) {
     decode_attention_impl<decltype(tag)>(q, kv_cache, block_table, context_lens, out, scale,

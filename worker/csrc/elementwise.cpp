@@ -14,6 +14,21 @@
 using tandem::check_cpu;
 using tandem::dispatch_float_types;
 
+// write_kv's copies, on raw rows: bytes per head row, k's and v's row strides in bytes.
+void write_kv_rows(char* cache, const int64_t* slot, int64_t n, int64_t kv_heads,
+                   int64_t block_size, int64_t num_slots, int64_t bytes, const char* k_data,
+                   int64_t k_stride, const char* v_data, int64_t v_stride) {
+  const int64_t half = num_slots * kv_heads * bytes;  // K, then V
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = slot[i] / block_size, offset = slot[i] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t dst = ((block * kv_heads + h) * block_size + offset) * bytes;
+      std::memcpy(cache + dst, k_data + i * k_stride + h * bytes, bytes);
+      std::memcpy(cache + half + dst, v_data + i * v_stride + h * bytes, bytes);
+    }
+  }
+}
+
 // Token slot s = block * B + offset of a layer's cache [2, num_blocks, kv_heads, B, dim]
 // (each KV head's rows of a block contiguous): for every head h,
 // kv_cache[0, block, h, offset] = k[i, h] and kv_cache[1, ...] = v[i, h]  (k, v: [n, kv_heads, dim]).
@@ -34,20 +49,92 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of range");
-  const int64_t elem = kv_cache.element_size(), bytes = dim * elem;
-  const int64_t half = num_slots * kv_heads * bytes;  // K, then V
-  char* keys = static_cast<char*>(kv_cache.data_ptr());
-  const char* k_data = static_cast<const char*>(k.data_ptr());
-  const char* v_data = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t block = slot[i] / block_size, offset = slot[i] % block_size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t dst = ((block * kv_heads + h) * block_size + offset) * bytes;
-      std::memcpy(keys + dst, k_data + i * k_stride + h * bytes, bytes);
-      std::memcpy(keys + half + dst, v_data + i * v_stride + h * bytes, bytes);
+  const int64_t elem = kv_cache.element_size();
+  write_kv_rows(static_cast<char*>(kv_cache.data_ptr()), slot, n, kv_heads, block_size,
+                num_slots, dim * elem, static_cast<const char*>(k.data_ptr()), k.stride(0) * elem,
+                static_cast<const char*>(v.data_ptr()), v.stride(0) * elem);
+}
+
+namespace {
+
+template <typename T>
+void rotary_rows(T* data, int64_t stride, const T* c, const T* s, int64_t n, int64_t heads,
+                 int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* ci = c + i * dim;
+      const T* si = s + i * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = data + i * stride + h * dim;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        if (half % tandem::kLanes == 0) {
+          using tandem::load_lanes;
+          using tandem::round_lanes;
+          for (; j < half; j += tandem::kLanes) {
+            const __m512 x1 = load_lanes(row + j), x2 = load_lanes(row + j + half);
+            const __m512 a1 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(ci + j)));
+            const __m512 b1 = round_lanes<T>(
+                _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load_lanes(si + j)));
+            const __m512 a2 = round_lanes<T>(_mm512_mul_ps(x2, load_lanes(ci + j + half)));
+            const __m512 b2 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(si + j + half)));
+            tandem::store_lanes(row + j, _mm512_add_ps(a1, b1));
+            tandem::store_lanes(row + j + half, _mm512_add_ps(a2, b2));
+          }
+        }
+#endif
+        for (; j < half; ++j) {
+          const float x1 = static_cast<float>(row[j]), x2 = static_cast<float>(row[j + half]);
+          // Each product is rounded to T, then their sum: as x * cos + rot * sin in T.
+          const T a1 = static_cast<T>(x1 * static_cast<float>(ci[j]));
+          const T b1 = static_cast<T>(-x2 * static_cast<float>(si[j]));
+          const T a2 = static_cast<T>(x2 * static_cast<float>(ci[j + half]));
+          const T b2 = static_cast<T>(x1 * static_cast<float>(si[j + half]));
+          row[j] = static_cast<T>(static_cast<float>(a1) + static_cast<float>(b1));
+          row[j + half] = static_cast<T>(static_cast<float>(a2) + static_cast<float>(b2));
+        }
+      }
     }
-  }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* in, T* dst, int64_t n, int64_t d) {
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = in + i * 2 * d;
+      const T* u = g + d;
+      T* o = dst + i * d;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      using tandem::load_lanes;
+      for (; j + tandem::kLanes <= d; j += tandem::kLanes) {
+        const __m512 x = load_lanes(g + j);
+        const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 act = tandem::round_lanes<T>(
+            _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        tandem::store_lanes(o + j, _mm512_mul_ps(act, load_lanes(u + j)));
+      }
+#endif
+      for (; j < d; ++j) {
+        const float x = static_cast<float>(g[j]);
+        const T act = static_cast<T>(x / (1.f + std::exp(-x)));
+        o[j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rotary_bf16(c10::BFloat16* x, int64_t stride, const c10::BFloat16* cos,
+                 const c10::BFloat16* sin, int64_t n, int64_t heads, int64_t dim) {
+  rotary_rows(x, stride, cos, sin, n, heads, dim);
+}
+
+void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d) {
+  silu_mul_rows(gate_up, out, n, d);
 }
 
 // In place on the first `heads` heads of x [n, >=heads, dim] (rows contiguous):
@@ -60,48 +147,10 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_
                   cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos and sin must be contiguous [n, dim] in x's dtype");
-  const int64_t n = x.size(0), dim = x.size(2), half = dim / 2, stride = x.stride(0);
   dispatch_float_types(x.scalar_type(), "rotary", [&](auto tag) {
     using T = decltype(tag);
-    T* data = x.data_ptr<T>();
-    const T* c = cos.data_ptr<T>();
-    const T* s = sin.data_ptr<T>();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const T* ci = c + i * dim;
-        const T* si = s + i * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          T* row = data + i * stride + h * dim;
-          int64_t j = 0;
-#if defined(__AVX512F__)
-          if (half % tandem::kLanes == 0) {
-            using tandem::load_lanes;
-            using tandem::round_lanes;
-            for (; j < half; j += tandem::kLanes) {
-              const __m512 x1 = load_lanes(row + j), x2 = load_lanes(row + j + half);
-              const __m512 a1 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(ci + j)));
-              const __m512 b1 = round_lanes<T>(
-                  _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load_lanes(si + j)));
-              const __m512 a2 = round_lanes<T>(_mm512_mul_ps(x2, load_lanes(ci + j + half)));
-              const __m512 b2 = round_lanes<T>(_mm512_mul_ps(x1, load_lanes(si + j + half)));
-              tandem::store_lanes(row + j, _mm512_add_ps(a1, b1));
-              tandem::store_lanes(row + j + half, _mm512_add_ps(a2, b2));
-            }
-          }
-#endif
-          for (; j < half; ++j) {
-            const float x1 = static_cast<float>(row[j]), x2 = static_cast<float>(row[j + half]);
-            // Each product is rounded to T, then their sum: as x * cos + rot * sin in T.
-            const T a1 = static_cast<T>(x1 * static_cast<float>(ci[j]));
-            const T b1 = static_cast<T>(-x2 * static_cast<float>(si[j]));
-            const T a2 = static_cast<T>(x2 * static_cast<float>(ci[j + half]));
-            const T b2 = static_cast<T>(x1 * static_cast<float>(si[j + half]));
-            row[j] = static_cast<T>(static_cast<float>(a1) + static_cast<float>(b1));
-            row[j + half] = static_cast<T>(static_cast<float>(a2) + static_cast<float>(b2));
-          }
-        }
-      }
-    });
+    rotary_rows(x.data_ptr<T>(), x.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(), x.size(0),
+                heads, x.size(2));
   });
 }
 
@@ -114,31 +163,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto out = at::empty({n, d}, gate_up.options());
   dispatch_float_types(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
-    const T* in = gate_up.data_ptr<T>();
-    T* dst = out.data_ptr<T>();
-    at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const T* g = in + i * 2 * d;
-        const T* u = g + d;
-        T* o = dst + i * d;
-        int64_t j = 0;
-#if defined(__AVX512F__)
-        using tandem::load_lanes;
-        for (; j + tandem::kLanes <= d; j += tandem::kLanes) {
-          const __m512 x = load_lanes(g + j);
-          const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), x));
-          const __m512 act = tandem::round_lanes<T>(
-              _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-          tandem::store_lanes(o + j, _mm512_mul_ps(act, load_lanes(u + j)));
-        }
-#endif
-        for (; j < d; ++j) {
-          const float x = static_cast<float>(g[j]);
-          const T act = static_cast<T>(x / (1.f + std::exp(-x)));
-          o[j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[j]));
-        }
-      }
-    });
+    silu_mul_rows(gate_up.data_ptr<T>(), out.data_ptr<T>(), n, d);
   });
   return out;
 }

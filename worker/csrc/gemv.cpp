@@ -101,6 +101,21 @@ int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features) {
   return std::max(kMaxRows, amx_linear_max_rows(out_features, in_features));
 }
 
+void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                    int64_t M, int64_t N, int64_t K) {
+  TORCH_CHECK(TANDEM_HAS_BF16_GEMV, "bf16_gemv: built for a CPU without AVX512-BF16");
+#if TANDEM_HAS_BF16_GEMV
+  switch (M) {
+    case 1: gemv_rows<1>(x, w, bias, y, N, K); break;
+    case 2: gemv_rows<2>(x, w, bias, y, N, K); break;
+    case 3: gemv_rows<3>(x, w, bias, y, N, K); break;
+    default: gemv_rows<4>(x, w, bias, y, N, K); break;
+  }
+#else
+  (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
+#endif
+}
+
 // x [M, K] (M <= bf16_gemv_max_rows(N, K)), weight [N, K], bias [N] or none, all
 // bfloat16 and contiguous: returns x weight^T + bias [M, N], each sum in float32, rounded
 // once to bfloat16.
@@ -126,16 +141,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
   }
   if (M >= kAmxFromRows && M <= amx_linear_max_rows(N, K)) return amx_linear(x, weight, bias);
   at::Tensor y = at::empty({M, N}, x.options());
-#if TANDEM_HAS_BF16_GEMV
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  switch (M) {
-    case 1: gemv_rows<1>(xp, wp, bias_data, yp, N, K); break;
-    case 2: gemv_rows<2>(xp, wp, bias_data, yp, N, K); break;
-    case 3: gemv_rows<3>(xp, wp, bias_data, yp, N, K); break;
-    default: gemv_rows<4>(xp, wp, bias_data, yp, N, K); break;
-  }
-#endif
+  bf16_gemv_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(weight.data_ptr()), bias_data,
+                 reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K);
   return y;
 }

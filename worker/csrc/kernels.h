@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_problem.h"
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens,
                             double scale, int64_t window, int64_t block_size);
@@ -58,3 +60,35 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
                          const at::Tensor& context_lens, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, double eps, double scale);
+
+// The same kernels on raw bfloat16 rows, for decode_rows.cpp's step of one or two rows, where
+// making a tensor per op cost more than the op: each computes exactly what its tensor
+// entry point above computes, which checks its arguments; these check nothing.
+void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
+                   c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
+                   double eps);
+void rotary_bf16(c10::BFloat16* x, int64_t stride, const c10::BFloat16* cos,
+                 const c10::BFloat16* sin, int64_t n, int64_t heads, int64_t dim);
+void write_kv_rows(char* cache, const int64_t* slot, int64_t n, int64_t kv_heads,
+                   int64_t block_size, int64_t num_slots, int64_t bytes, const char* k_data,
+                   int64_t k_stride, const char* v_data, int64_t v_stride);
+void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d);
+void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                    int64_t M, int64_t N, int64_t K);
+void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>& p);
+// decode_attention's checks of its metadata: dtypes, shapes, every length and block id in range.
+void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,
+                           int64_t n, int64_t num_blocks, int64_t block_size);
+// decode_layers for steps of up to decode_rows_max_rows() rows where every projection is a
+// plain bfloat16 weight on the GEMV (decode_rows.cpp): plain[4 l + i] is layer l's qkv, o,
+// gate_up, down weight; the other arguments are decode_layers'.
+int64_t decode_rows_max_rows();
+at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
+                       const std::vector<at::Tensor>& plain,
+                       const std::vector<std::optional<at::Tensor>>& biases,
+                       const std::vector<at::Tensor>& kv_caches,
+                       const std::vector<int64_t>& windows, const at::Tensor& slots,
+                       const at::Tensor& block_table, const at::Tensor& context_lens,
+                       const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps,
+                       double scale);

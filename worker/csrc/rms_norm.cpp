@@ -13,15 +13,8 @@
 namespace {
 
 template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor* add, const at::Tensor& weight,
-                   at::Tensor& out, at::Tensor* residual, double eps, bool gemma) {
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  const T* x_data = x.data_ptr<T>();
-  const T* add_data = add ? add->data_ptr<T>() : nullptr;
-  const T* w = weight.data_ptr<T>();
-  T* out_data = out.data_ptr<T>();
-  T* res_data = residual ? residual->data_ptr<T>() : nullptr;
-  const float feps = static_cast<float>(eps);
+void rms_norm_rows(const T* x_data, const T* add_data, const T* w, T* out_data, T* res_data,
+                   int64_t rows, int64_t dim, float feps, bool gemma) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x_data + r * dim;
@@ -52,6 +45,15 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* add, const at::Tensor&
   });
 }
 
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* add, const at::Tensor& weight,
+                   at::Tensor& out, at::Tensor* residual, double eps, bool gemma) {
+  const int64_t dim = x.size(-1);
+  rms_norm_rows<T>(x.data_ptr<T>(), add ? add->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                   out.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr,
+                   x.numel() / dim, dim, static_cast<float>(eps), gemma);
+}
+
 void check(const at::Tensor& x, const at::Tensor& weight) {
   tandem::check_cpu("rms_norm", x, weight);
   TORCH_CHECK(x.is_contiguous(), "x must be a contiguous CPU tensor");
@@ -68,6 +70,12 @@ void dispatch(const at::Tensor& x, const at::Tensor* add, const at::Tensor& weig
 }
 
 }  // namespace
+
+void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
+                   c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
+                   double eps) {
+  rms_norm_rows(x, add, weight, out, residual, rows, dim, static_cast<float>(eps), false);
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
   check(x, weight);

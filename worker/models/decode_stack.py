@@ -8,7 +8,9 @@ projections (the GEMV for the rows it takes where it exists, the matmul of their
 bit-identical to one through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
-native kernels. Qwen3's q/k
+native kernels. Steps of one or two rows whose projections all run on the GEMV go to
+``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): the same kernels on raw rows,
+with no tensor made per op, which at one row took ~1 ms of a ~10 ms step. Qwen3's q/k
 norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
 a prefill keep the Python layers.
 """
@@ -64,6 +66,15 @@ class DecodeStack:
                     self.packings.append(linear.packing.code)
                     self.gguf_types.append(-1)
             self.biases += [linears[0].bias, linears[1].bias]
+        # The most rows decode_rows takes: where every projection's GEMV takes them too.
+        gemv_rows = [
+            m.gemv_rows if isinstance(m, PackedLinear) and m.weight is not None else 0
+            for layer in model.model.layers
+            for m in layer.modules()
+            if isinstance(m, PackedLinear | QuantLinear)
+        ]
+        self.raw_rows = min([ops.kernels.decode_rows_max_rows(), *gemv_rows])
+        self.raw_weights = [w for w in self.plain if w is not None] if self.raw_rows else []
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -110,6 +121,26 @@ class DecodeStack:
     ) -> torch.Tensor:
         """The embeddings ``x`` through every layer (before the final norm)."""
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+        if x.shape[0] <= self.raw_rows:
+            return self.kernels.decode_rows(
+                x,
+                self.norms,
+                self.raw_weights,
+                self.biases,
+                kv_caches,
+                self.windows,
+                meta.slot_mapping,
+                meta.decode_block_table,
+                meta.decode_context_lens,
+                cos,
+                sin,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                meta.block_size,
+                self.eps,
+                self.scale,
+            )
         return self.kernels.decode_layers(
             x,
             self.norms,

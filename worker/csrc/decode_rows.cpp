@@ -1,0 +1,176 @@
+// decode_layers for a step of one or two rows: every layer on raw rows, no tensor made inside
+// the loop.
+//
+// At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
+// between them compute almost nothing; through ATen each of them still made a tensor (or
+// a view) and went through the dispatcher, ~1 ms a SmolLM2 step in all (perf: a tenth of
+// the main thread in ATen and malloc, the other thread waiting for it). Here the same
+// kernels run on raw pointers into one scratch buffer, in the same order on the same
+// values, so the results are bit-identical to decode_layers' tensor path and to the
+// Python layers (tests/unit/test_decode_stack.py).
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+using Bf16 = c10::BFloat16;
+
+constexpr size_t kNormsPerLayer = 2;    // input, post-attention
+constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
+constexpr int64_t kMaxRows = 2;         // the GEMV's rows where bf16_gemm or AMX take more
+
+// out = T(a + b), as at::add rounds a bfloat16 sum: in float32, once.
+void add_rows(const Bf16* a, const Bf16* b, Bf16* out, int64_t count) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + tandem::kLanes <= count; j += tandem::kLanes)
+    tandem::store_lanes(out + j,
+                        _mm512_add_ps(tandem::load_lanes(a + j), tandem::load_lanes(b + j)));
+#endif
+  for (; j < count; ++j) out[j] = Bf16(static_cast<float>(a[j]) + static_cast<float>(b[j]));
+}
+
+const uint16_t* bits(const Bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && t.is_contiguous(); }
+
+// One layer's weights, as raw pointers.
+struct LayerWeights {
+  const Bf16* norm[kNormsPerLayer];
+  const Bf16* weight[kLinearsPerLayer];
+  const Bf16* bias[kBiasesPerLayer];
+};
+
+// The step's row buffers, carved out of one tensor.
+struct Rows {
+  Bf16 *h, *qkv, *q, *attn, *o, *residual, *gate_up, *act, *down;
+};
+
+}  // namespace
+
+int64_t decode_rows_max_rows() { return has_bf16_gemv() ? kMaxRows : 0; }
+
+at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
+                       const std::vector<at::Tensor>& plain,
+                       const std::vector<std::optional<at::Tensor>>& biases,
+                       const std::vector<at::Tensor>& kv_caches,
+                       const std::vector<int64_t>& windows, const at::Tensor& slots,
+                       const at::Tensor& block_table, const at::Tensor& context_lens,
+                       const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps,
+                       double scale) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0 && norms.size() == layers * kNormsPerLayer &&
+                  plain.size() == layers * kLinearsPerLayer &&
+                  biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
+              "decode_rows: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
+              " weights, ", kBiasesPerLayer, " biases, a cache and a window");
+  TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
+  const int64_t n = x_in.size(0), hidden = x_in.size(1);
+  TORCH_CHECK(n >= 1 && n <= decode_rows_max_rows(), "decode_rows takes 1 to ",
+              decode_rows_max_rows(), " rows, got ", n);
+  const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
+  const int64_t inter = plain[2].size(0) / 2;
+  const int64_t shapes[kLinearsPerLayer][2] = {
+      {qkv_dim, hidden}, {hidden, q_dim}, {2 * inter, hidden}, {hidden, inter}};
+  std::vector<LayerWeights> weights(layers);
+  for (size_t l = 0; l < layers; ++l) {
+    for (size_t i = 0; i < kLinearsPerLayer; ++i) {
+      const at::Tensor& w = plain[l * kLinearsPerLayer + i];
+      TORCH_CHECK(is_bf16(w) && w.dim() == 2 && w.size(0) == shapes[i][0] &&
+                      w.size(1) == shapes[i][1],
+                  "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [",
+                  shapes[i][0], ", ", shapes[i][1], "]");
+      weights[l].weight[i] = w.data_ptr<Bf16>();
+    }
+    for (size_t i = 0; i < kBiasesPerLayer; ++i) {
+      const auto& b = biases[l * kBiasesPerLayer + i];
+      TORCH_CHECK(!b || (is_bf16(*b) && b->numel() == shapes[i][0]),
+                  "decode_rows: a bias must be contiguous bfloat16 [out]");
+      weights[l].bias[i] = b ? b->data_ptr<Bf16>() : nullptr;
+    }
+    for (size_t i = 0; i < kNormsPerLayer; ++i) {
+      const at::Tensor& norm = norms[l * kNormsPerLayer + i];
+      TORCH_CHECK(is_bf16(norm) && norm.numel() == hidden,
+                  "decode_rows: a norm's weight must be contiguous bfloat16 [hidden]");
+      weights[l].norm[i] = norm.data_ptr<Bf16>();
+    }
+    const at::Tensor& cache = kv_caches[l];
+    TORCH_CHECK(is_bf16(cache) && cache.dim() == 5 && cache.size(0) == 2 &&
+                    cache.size(1) == kv_caches[0].size(1) && cache.size(2) == kv_heads &&
+                    cache.size(3) == block_size && cache.size(4) == head_dim,
+                "decode_rows: every kv cache must be contiguous bfloat16 [2, num_blocks, ",
+                kv_heads, ", ", block_size, ", ", head_dim, "]");
+  }
+  TORCH_CHECK(is_bf16(cos) && is_bf16(sin) && cos.numel() == n * head_dim &&
+                  sin.numel() == n * head_dim,
+              "decode_rows: cos and sin must be contiguous bfloat16 [n, head_dim]");
+
+  // Once for every layer: what write_kv and decode_attention check on each call.
+  const int64_t num_blocks = kv_caches[0].size(1), num_slots = num_blocks * block_size;
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
+              "slots must be contiguous int64 [n]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of range");
+  check_decode_metadata(block_table, context_lens, n, num_blocks, block_size);
+
+  const int64_t widths[] = {hidden, qkv_dim, q_dim, q_dim, hidden, hidden, 2 * inter, inter, hidden};
+  int64_t total = 0;
+  for (const int64_t w : widths) total += n * w;
+  at::Tensor scratch = at::empty({total}, x_in.options());
+  Bf16* next = scratch.data_ptr<Bf16>();
+  Rows r{};
+  Bf16** fields[] = {&r.h, &r.qkv, &r.q, &r.attn, &r.o, &r.residual, &r.gate_up, &r.act, &r.down};
+  for (size_t i = 0; i < std::size(widths); ++i) {
+    *fields[i] = next;
+    next += n * widths[i];
+  }
+  at::Tensor x_out = at::empty({n, hidden}, x_in.options());
+  Bf16* x = x_out.data_ptr<Bf16>();
+  const Bf16* x_cur = x_in.data_ptr<Bf16>();
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(Bf16));
+
+  for (size_t l = 0; l < layers; ++l) {
+    const LayerWeights& w = weights[l];
+    Bf16* cache = kv_caches[l].data_ptr<Bf16>();
+    // Attention.forward
+    rms_norm_bf16(x_cur, nullptr, w.norm[0], r.h, nullptr, n, hidden, eps);
+    bf16_gemv_rows(bits(r.h), bits(w.weight[0]), bits(w.bias[0]),
+                   reinterpret_cast<uint16_t*>(r.qkv), n, qkv_dim, hidden);
+    rotary_bf16(r.qkv, qkv_dim, cos.data_ptr<Bf16>(), sin.data_ptr<Bf16>(), n, heads + kv_heads,
+                head_dim);
+    write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
+                  reinterpret_cast<const char*>(r.qkv + q_dim), qkv_dim * sizeof(Bf16),
+                  reinterpret_cast<const char*>(r.qkv + q_dim + kv_heads * head_dim),
+                  qkv_dim * sizeof(Bf16));
+    for (int64_t i = 0; i < n; ++i)  // the query heads, contiguous
+      std::copy(r.qkv + i * qkv_dim, r.qkv + i * qkv_dim + q_dim, r.q + i * q_dim);
+    const Bf16* keys = cache;
+    decode_attention_bf16_rows(tandem::attention::Problem<Bf16>{
+        r.q, keys, keys + num_blocks * kv_heads * block_size * head_dim,
+        block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
+        kv_heads, head_dim, block_table.size(1), block_size, windows[l],
+        static_cast<float>(scale)});
+    bf16_gemv_rows(bits(r.attn), bits(w.weight[1]), bits(w.bias[1]),
+                   reinterpret_cast<uint16_t*>(r.o), n, hidden, q_dim);
+    // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
+    rms_norm_bf16(x_cur, r.o, w.norm[1], r.h, r.residual, n, hidden, eps);
+    bf16_gemv_rows(bits(r.h), bits(w.weight[2]), nullptr, reinterpret_cast<uint16_t*>(r.gate_up),
+                   n, 2 * inter, hidden);
+    silu_mul_bf16(r.gate_up, r.act, n, inter);
+    bf16_gemv_rows(bits(r.act), bits(w.weight[3]), nullptr, reinterpret_cast<uint16_t*>(r.down),
+                   n, hidden, inter);
+    add_rows(r.residual, r.down, x, n * hidden);
+    x_cur = x;
+  }
+  return x_out;
+}
