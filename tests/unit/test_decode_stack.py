@@ -145,3 +145,33 @@ class CountedKernels:
     def decode_layers(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         self.layers.append(x.shape[0])
         return self._kernels.decode_layers(x, *args)  # type: ignore[attr-defined]
+
+
+def test_decode_rows_refuses_more_rows_than_it_takes() -> None:
+    kernels = load_native_kernels()
+    rows = kernels.decode_rows_max_rows() + 1
+    x = torch.zeros(rows, 8, dtype=torch.bfloat16)
+    w = torch.zeros(8, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 1, 1, BLOCK, 8, dtype=torch.bfloat16)
+    table, lens = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, dtype=torch.long)
+    slots, rope = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows, got {rows}"):
+        kernels.decode_rows(
+            x,
+            [w[0], w[0]],
+            [w] * 4,
+            [None, None],
+            [cache],
+            [0],
+            slots,
+            table,
+            lens,
+            rope,
+            rope,
+            1,
+            1,
+            8,
+            BLOCK,
+            1e-6,
+            1.0,
+        )
