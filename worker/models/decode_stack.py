@@ -121,35 +121,8 @@ class DecodeStack:
     ) -> torch.Tensor:
         """The embeddings ``x`` through every layer (before the final norm)."""
         assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-        if x.shape[0] <= self.raw_rows:
-            return self.kernels.decode_rows(
-                x,
-                self.norms,
-                self.raw_weights,
-                self.biases,
-                kv_caches,
-                self.windows,
-                meta.slot_mapping,
-                meta.decode_block_table,
-                meta.decode_context_lens,
-                cos,
-                sin,
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
-                meta.block_size,
-                self.eps,
-                self.scale,
-            )
-        return self.kernels.decode_layers(
-            x,
-            self.norms,
-            self.plain,
-            self.packed,
-            self.packings,
-            self.biases,
-            self.gguf_types,
-            FUSED_MAX_ROWS,
+        # The step's caches, metadata and shapes: the last arguments of both entries.
+        step = (
             kv_caches,
             self.windows,
             meta.slot_mapping,
@@ -163,6 +136,19 @@ class DecodeStack:
             meta.block_size,
             self.eps,
             self.scale,
+        )
+        if x.shape[0] <= self.raw_rows:
+            return self.kernels.decode_rows(x, self.norms, self.raw_weights, self.biases, *step)
+        return self.kernels.decode_layers(
+            x,
+            self.norms,
+            self.plain,
+            self.packed,
+            self.packings,
+            self.biases,
+            self.gguf_types,
+            FUSED_MAX_ROWS,
+            *step,
         )
 
 
