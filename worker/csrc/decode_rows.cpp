@@ -23,10 +23,6 @@ namespace {
 
 using Bf16 = c10::BFloat16;
 
-constexpr size_t kNormsPerLayer = 2;    // input, post-attention
-constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
-constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
-constexpr int64_t kMaxRows = 2;         // the GEMV's rows where bf16_gemm or AMX take more
 
 // out = T(a + b), as at::add rounds a bfloat16 sum: in float32, once.
 void add_rows(const Bf16* a, const Bf16* b, Bf16* out, int64_t count) {
@@ -57,7 +53,7 @@ struct Rows {
 
 }  // namespace
 
-int64_t decode_rows_max_rows() { return has_bf16_gemv() ? kMaxRows : 0; }
+int64_t decode_rows_max_rows() { return bf16_gemv_rows_on_every_host(); }
 
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& plain,
@@ -154,9 +150,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                   qkv_dim * sizeof(Bf16));
     for (int64_t i = 0; i < n; ++i)  // the query heads, contiguous
       std::copy(r.qkv + i * qkv_dim, r.qkv + i * qkv_dim + q_dim, r.q + i * q_dim);
-    const Bf16* keys = cache;
     decode_attention_bf16_rows(tandem::attention::Problem<Bf16>{
-        r.q, keys, keys + num_blocks * kv_heads * block_size * head_dim,
+        r.q, cache, cache + num_blocks * kv_heads * block_size * head_dim,
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});

@@ -26,9 +26,6 @@
 
 namespace {
 
-constexpr size_t kNormsPerLayer = 2;    // input, post-attention
-constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
-constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
 
 // oneDNN's prepacked linear: the op PackedLinear.forward calls past the GEMV's rows.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,

@@ -101,6 +101,8 @@ int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features) {
   return std::max(kMaxRows, amx_linear_max_rows(out_features, in_features));
 }
 
+int64_t bf16_gemv_rows_on_every_host() { return TANDEM_HAS_BF16_GEMV ? kAmxFromRows - 1 : 0; }
+
 void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t M, int64_t N, int64_t K) {
   TORCH_CHECK(TANDEM_HAS_BF16_GEMV, "bf16_gemv: built for a CPU without AVX512-BF16");

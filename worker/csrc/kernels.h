@@ -46,6 +46,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
 bool gguf_has_bf16_rows(int64_t type, int64_t rows);
 at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                                  const float* bias);
+// decode_layers' and decode_rows' per-layer argument layout: norms[2 l + i], the
+// projections [4 l + i], biases[2 l + i].
+constexpr size_t kNormsPerLayer = 2;    // input, post-attention
+constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr size_t kBiasesPerLayer = 2;   // qkv's, o's
 // decode_layers' packings[i]: how projection i's packed weight is laid out.
 constexpr int64_t kOneDnnPacking = 0;    // torch.ops.mkldnn._reorder_linear_weight's
 constexpr int64_t kBf16GemmPacking = 1;  // bf16_gemm_pack's
@@ -63,7 +68,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
 
 // The same kernels on raw bfloat16 rows, for decode_rows.cpp's step of one or two rows, where
 // making a tensor per op cost more than the op: each computes exactly what its tensor
-// entry point above computes, which checks its arguments; these check nothing.
+// entry point above computes, which checks its arguments; these check nothing (but
+// bf16_gemv_rows, that this build has the GEMV).
 void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
                    c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
                    double eps);
@@ -75,6 +81,8 @@ void write_kv_rows(char* cache, const int64_t* slot, int64_t n, int64_t kv_heads
 void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d);
 void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t M, int64_t N, int64_t K);
+// The rows bf16_gemv runs on bf16_gemv_rows on any host (from kAmxFromRows it may take AMX).
+int64_t bf16_gemv_rows_on_every_host();
 void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>& p);
 // decode_attention's checks of its metadata: dtypes, shapes, every length and block id in range.
 void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,

@@ -43,6 +43,7 @@ class DecodeStack:
         self.packings: list[int] = []  # per projection: its Packing's code
         self.gguf_types: list[int] = []  # per projection: its ggml type, -1 if not GGUF
         self.biases: list[torch.Tensor | None] = []
+        gemv_rows: list[int] = []  # per projection: the rows its GEMV takes (0: none)
         unused = torch.empty(0)
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
@@ -60,19 +61,15 @@ class DecodeStack:
                     self.packed.append(unused)
                     self.packings.append(ONEDNN_CODE)  # unused
                     self.gguf_types.append(segment.type)
+                    gemv_rows.append(0)
                 else:
                     self.plain.append(linear.weight)
                     self.packed.append(linear.packed_weight)
                     self.packings.append(linear.packing.code)
                     self.gguf_types.append(-1)
+                    gemv_rows.append(linear.gemv_rows if linear.weight is not None else 0)
             self.biases += [linears[0].bias, linears[1].bias]
         # The most rows decode_rows takes: where every projection's GEMV takes them too.
-        gemv_rows = [
-            m.gemv_rows if isinstance(m, PackedLinear) and m.weight is not None else 0
-            for layer in model.model.layers
-            for m in layer.modules()
-            if isinstance(m, PackedLinear | QuantLinear)
-        ]
         self.raw_rows = min([ops.kernels.decode_rows_max_rows(), *gemv_rows])
         self.raw_weights = [w for w in self.plain if w is not None] if self.raw_rows else []
 
