@@ -1,9 +1,10 @@
 """The fused decode step (every layer in one native call) against the Python layers it
 replaces, on tiny random bfloat16 checkpoints: bit-identical hidden states and KV caches
-for decode steps of 1 to 10 rows, with the small-batch GEMV and without it (oneDNN for
-every projection), steps of one or two rows on the GEMV through ``decode_rows`` and the
-others through ``decode_layers``; chosen exactly for llama-shaped models, never for a
-prefill step."""
+for decode steps of 1 to 10 rows, with the kernels this host picks (on AVX512-BF16
+without AMX: the GEMM for every projection), with the small-batch GEMV beside oneDNN (as
+AMX hosts pick), and with oneDNN alone; steps of one or two rows on one raw-row kernel
+(the GEMV or the GEMM) through ``decode_rows``, the others through ``decode_layers``;
+chosen exactly for llama-shaped models, never for a prefill step."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from worker.attention import AttentionMetadata, build_metadata
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.packed_linear import ONEDNN, Gemv, PackedLinear, Packing
+from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear, Packing
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -38,10 +39,27 @@ class NoGemvOps(NativeOps):
         return ONEDNN
 
 
-def load(family: str, tmp_path: Path, gemv: bool = True) -> DecoderLM:
+class GemvOps(NativeOps):
+    """The native kernels as an AMX host picks them: the GEMV for a few rows, oneDNN past
+    them (on any host whose build has the GEMV)."""
+
+    @property
+    def small_batch_linear(self) -> Gemv | None:
+        if not self.kernels.has_bf16_gemv():
+            return None
+        return Gemv(self.kernels.bf16_gemv, self.kernels.bf16_gemv_max_rows)
+
+    @property
+    def packing(self) -> Packing:
+        return ONEDNN
+
+
+OPS = {"host": NativeOps, "gemv": GemvOps, "onednn-only": NoGemvOps}
+
+
+def load(family: str, tmp_path: Path, kernels: str = "host") -> DecoderLM:
     build(family, tmp_path)
-    kernels = load_native_kernels()
-    ops = NativeOps(kernels) if gemv else NoGemvOps(kernels)
+    ops = OPS[kernels](load_native_kernels())
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), ops)
     assert isinstance(model, DecoderLM)
     return model
@@ -68,14 +86,22 @@ def test_only_over_prepacked_projections(tmp_path: Path) -> None:
 
 
 @needs_onednn_bf16
-@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "onednn-only"])
+@pytest.mark.parametrize("kernels", list(OPS))
 @pytest.mark.parametrize("family", FUSED)
-def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: Path) -> None:
-    model = load(family, tmp_path, gemv)
+def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path: Path) -> None:
+    model = load(family, tmp_path, kernels)
     fused = model.fused_decode
     assert fused is not None
-    uses_gemv = any(m.gemv is not None for m in model.modules() if isinstance(m, PackedLinear))
-    assert uses_gemv == (gemv and load_native_kernels().has_bf16_gemv())
+    native = load_native_kernels()
+    ops = OPS[kernels](native)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    uses_gemv = any(m.gemv is not None for m in linears)
+    assert uses_gemv == (ops.small_batch_linear is not None)
+    uses_gemm = ops.packing.code == BF16_GEMM_CODE
+    assert all(m.packing.code == ops.packing.code for m in linears)
+    assert uses_gemm == (kernels == "host" and native.bf16_gemm_packs())
+    # where the GEMM takes every batch there is no GEMV, and no plain copy of a weight
+    assert not (uses_gemm and (uses_gemv or any(m.weight is not None for m in linears)))
     taken: list[int] = []
     takes = fused.takes
 
@@ -124,8 +150,8 @@ def test_bit_identical_to_the_python_layers(family: str, gemv: bool, tmp_path: P
     for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
         assert torch.equal(fused_cache, python_cache)
     assert taken[1:] == [len(seqs) for seqs in batches]  # every decode step asked, and taken
-    raw_rows = 2 if uses_gemv else 0
-    assert fused.raw_rows == raw_rows
+    raw_rows = 2 if uses_gemv or uses_gemm else 0
+    assert fused.raw_rows == raw_rows and fused.raw_gemm == uses_gemm
     assert calls.rows == [len(seqs) for seqs in batches if len(seqs) <= raw_rows]
     assert calls.layers == [len(seqs) for seqs in batches if len(seqs) > raw_rows]
 
@@ -147,31 +173,47 @@ class CountedKernels:
         return self._kernels.decode_layers(x, *args)  # type: ignore[attr-defined]
 
 
-def test_decode_rows_refuses_more_rows_than_it_takes() -> None:
+def call_decode_rows(rows: int, gemm: bool) -> None:
+    """decode_rows on one zero layer of width 8 (plain weights) and ``rows`` rows."""
     kernels = load_native_kernels()
-    rows = kernels.decode_rows_max_rows() + 1
     x = torch.zeros(rows, 8, dtype=torch.bfloat16)
     w = torch.zeros(8, 8, dtype=torch.bfloat16)
     cache = torch.zeros(2, 1, 1, BLOCK, 8, dtype=torch.bfloat16)
     table, lens = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, dtype=torch.long)
     slots, rope = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.bfloat16)
+    kernels.decode_rows(
+        x,
+        [w[0], w[0]],
+        [w] * 4,
+        gemm,
+        [None, None],
+        [cache],
+        [0],
+        slots,
+        table,
+        lens,
+        rope,
+        rope,
+        1,
+        1,
+        8,
+        BLOCK,
+        1e-6,
+        1.0,
+    )
+
+
+def test_decode_rows_refuses_more_rows_than_it_takes() -> None:
+    rows = load_native_kernels().decode_rows_max_rows() + 1
     with pytest.raises(RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows, got {rows}"):
-        kernels.decode_rows(
-            x,
-            [w[0], w[0]],
-            [w] * 4,
-            [None, None],
-            [cache],
-            [0],
-            slots,
-            table,
-            lens,
-            rope,
-            rope,
-            1,
-            1,
-            8,
-            BLOCK,
-            1e-6,
-            1.0,
-        )
+        call_decode_rows(rows, gemm=False)
+
+
+def test_decode_rows_refuses_plain_weights_for_the_gemm() -> None:
+    kernels = load_native_kernels()
+    if kernels.decode_rows_max_rows() == 0:  # no AVX512-BF16: it takes no rows at all
+        with pytest.raises(RuntimeError, match="decode_rows takes 1 to 0 rows"):
+            call_decode_rows(1, gemm=True)
+        return
+    with pytest.raises(RuntimeError, match=r"weight 0 must be .*packed by bf16_gemm_pack"):
+        call_decode_rows(1, gemm=True)

@@ -152,34 +152,21 @@ at::Tensor bf16_gemm_pack(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
-                     const std::optional<at::Tensor>& bias) {
+bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_features) {
+  const int64_t size = blocks_of(out_features) * kBlock * 2 * padded_pairs(in_features);
+  return packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+         packed.device().is_cpu() && packed.size(0) == out_features &&
+         packed.numel() - size >= 0 && packed.numel() - size < out_features;
+}
+
+void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features) {
   TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "bf16_gemm: x must be a CPU bfloat16 [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1), pairs = padded_pairs(in);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
-              "bf16_gemm: packed must come from bf16_gemm_pack");
-  const int64_t out_features = packed.size(0), blocks = blocks_of(out_features);
-  const int64_t size = blocks * kBlock * 2 * pairs;
-  TORCH_CHECK(packed.numel() - size >= 0 && packed.numel() - size < out_features,
-              "bf16_gemm: packed weight does not hold [", out_features, ", ", in, "]");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
-                    bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
-                "bf16_gemm: bias must be [", out_features, "] contiguous bfloat16");
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return y;
+  TORCH_CHECK(in_features % 2 == 0, "bf16_gemm_rows: x's rows must be whole pairs");
 #if TANDEM_HAS_BF16_GEMM
-  // An odd in: x's last pair needs a zero partner, which the packed weight already has
-  // (a zero times anything finite adds nothing), so copy x into whole pairs.
-  at::Tensor xp = in % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0);
-  const uint16_t* b =
-      bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
-  const uint32_t* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr<at::BFloat16>());
-  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t blocks = blocks_of(out_features), pairs = in_features / 2;
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
   const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
   at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -193,11 +180,42 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
       const __m512bh* next = full_next ? wg + kGroupBlocks * pairs : nullptr;
       static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
       if (group == 2)
-        group_rows<2>(xs, rows, pairs, wg, b, out0, out_features, ys, next);
+        group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
       else
-        group_rows<1>(xs, rows, pairs, wg, b, out0, out_features, ys, next);
+        group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
     }
   });
+#else
+  (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features;
 #endif
+}
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "bf16_gemm: x must be a CPU bfloat16 [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "bf16_gemm: packed must come from bf16_gemm_pack");
+  const int64_t out_features = packed.size(0);
+  TORCH_CHECK(bf16_gemm_holds(packed, out_features, in),
+              "bf16_gemm: packed weight does not hold [", out_features, ", ", in, "]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
+                    bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+                "bf16_gemm: bias must be [", out_features, "] contiguous bfloat16");
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  // An odd in: x's last pair needs a zero partner, which the packed weight already has
+  // (a zero times anything finite adds nothing), so copy x into whole pairs.
+  at::Tensor xp = in % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}, 0);
+  const uint16_t* b =
+      bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  bf16_gemm_rows(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), b,
+                 reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
+                 xp.size(1));
   return y;
 }

@@ -1,5 +1,7 @@
 // decode_layers for a step of one or two rows: every layer on raw rows, no tensor made inside
-// the loop.
+// the loop. The projections run on the GEMV over plain weights, or where bf16_gemm packs
+// (AVX512-BF16, no AMX) on the GEMM over its packed ones: whichever the Python layers'
+// PackedLinear picks for these rows (NativeOps.small_batch_linear).
 //
 // At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
 // between them compute almost nothing; through ATen each of them still made a tensor (or
@@ -46,6 +48,19 @@ struct LayerWeights {
   const Bf16* bias[kBiasesPerLayer];
 };
 
+// y = x W^T (+ b) for n rows, on the kernel for the weights' layout.
+struct Projection {
+  bool gemm;  // bf16_gemm_pack's layout, on bf16_gemm; else the plain [out, in] one, on the GEMV
+
+  void operator()(const Bf16* x, const Bf16* w, const Bf16* b, Bf16* y, int64_t n, int64_t out,
+                  int64_t in) const {
+    if (gemm)
+      bf16_gemm_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
+    else
+      bf16_gemv_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
+  }
+};
+
 // The step's row buffers, carved out of one tensor.
 struct Rows {
   Bf16 *h, *qkv, *q, *attn, *o, *residual, *gate_up, *act, *down;
@@ -56,7 +71,7 @@ struct Rows {
 int64_t decode_rows_max_rows() { return bf16_gemv_rows_on_every_host(); }
 
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
-                       const std::vector<at::Tensor>& plain,
+                       const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
@@ -66,7 +81,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        double scale) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && norms.size() == layers * kNormsPerLayer &&
-                  plain.size() == layers * kLinearsPerLayer &&
+                  projections.size() == layers * kLinearsPerLayer &&
                   biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
               "decode_rows: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
               " weights, ", kBiasesPerLayer, " biases, a cache and a window");
@@ -75,17 +90,24 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   TORCH_CHECK(n >= 1 && n <= decode_rows_max_rows(), "decode_rows takes 1 to ",
               decode_rows_max_rows(), " rows, got ", n);
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
-  const int64_t inter = plain[2].size(0) / 2;
+  const Projection project{gemm};
+  TORCH_CHECK(!project.gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");
+  TORCH_CHECK(project.gemm || has_bf16_gemv(), "decode_rows: this build has no GEMV");
+  const int64_t inter = projections[2].size(0) / 2;
   const int64_t shapes[kLinearsPerLayer][2] = {
       {qkv_dim, hidden}, {hidden, q_dim}, {2 * inter, hidden}, {hidden, inter}};
+  // The GEMM reads x in bfloat16 pairs: every projection's input must hold whole pairs.
+  TORCH_CHECK(!project.gemm || (hidden % 2 == 0 && q_dim % 2 == 0 && inter % 2 == 0),
+              "decode_rows: the GEMM takes even input widths only");
   std::vector<LayerWeights> weights(layers);
   for (size_t l = 0; l < layers; ++l) {
     for (size_t i = 0; i < kLinearsPerLayer; ++i) {
-      const at::Tensor& w = plain[l * kLinearsPerLayer + i];
-      TORCH_CHECK(is_bf16(w) && w.dim() == 2 && w.size(0) == shapes[i][0] &&
-                      w.size(1) == shapes[i][1],
-                  "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [",
-                  shapes[i][0], ", ", shapes[i][1], "]");
+      const at::Tensor& w = projections[l * kLinearsPerLayer + i];
+      const int64_t out = shapes[i][0], in = shapes[i][1];
+      TORCH_CHECK(project.gemm ? bf16_gemm_holds(w, out, in)
+                               : is_bf16(w) && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
+                  "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [", out,
+                  ", ", in, "]", project.gemm ? ", packed by bf16_gemm_pack" : "");
       weights[l].weight[i] = w.data_ptr<Bf16>();
     }
     for (size_t i = 0; i < kBiasesPerLayer; ++i) {
@@ -140,8 +162,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     Bf16* cache = kv_caches[l].data_ptr<Bf16>();
     // Attention.forward
     rms_norm_bf16(x_cur, nullptr, w.norm[0], r.h, nullptr, n, hidden, eps);
-    bf16_gemv_rows(bits(r.h), bits(w.weight[0]), bits(w.bias[0]),
-                   reinterpret_cast<uint16_t*>(r.qkv), n, qkv_dim, hidden);
+    project(r.h, w.weight[0], w.bias[0], r.qkv, n, qkv_dim, hidden);
     rotary_bf16(r.qkv, qkv_dim, cos.data_ptr<Bf16>(), sin.data_ptr<Bf16>(), n, heads + kv_heads,
                 head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
@@ -155,15 +176,12 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});
-    bf16_gemv_rows(bits(r.attn), bits(w.weight[1]), bits(w.bias[1]),
-                   reinterpret_cast<uint16_t*>(r.o), n, hidden, q_dim);
+    project(r.attn, w.weight[1], w.bias[1], r.o, n, hidden, q_dim);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
     rms_norm_bf16(x_cur, r.o, w.norm[1], r.h, r.residual, n, hidden, eps);
-    bf16_gemv_rows(bits(r.h), bits(w.weight[2]), nullptr, reinterpret_cast<uint16_t*>(r.gate_up),
-                   n, 2 * inter, hidden);
+    project(r.h, w.weight[2], nullptr, r.gate_up, n, 2 * inter, hidden);
     silu_mul_bf16(r.gate_up, r.act, n, inter);
-    bf16_gemv_rows(bits(r.act), bits(w.weight[3]), nullptr, reinterpret_cast<uint16_t*>(r.down),
-                   n, hidden, inter);
+    project(r.act, w.weight[3], nullptr, r.down, n, hidden, inter);
     add_rows(r.residual, r.down, x, n * hidden);
     x_cur = x;
   }

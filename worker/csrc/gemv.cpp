@@ -30,9 +30,6 @@ namespace {
 // The most input rows the AVX512-BF16 path takes: past 4 rows its products are
 // compute-bound and AMX (ours, or oneDNN's) is faster (bench/results/gemv.json).
 constexpr int64_t kMaxRows = 4;
-// Where bf16_gemm takes the batches instead of oneDNN (no AMX), it is as fast from 2 rows
-// and faster from 3: its tiles read each weight vector once for 8 rows (bench.gemv).
-constexpr int64_t kMaxRowsBeforeGemm = 2;
 // From 3 rows the AMX kernel, where a weight's shape fits its tiles, is faster still
 // (12.6 against 13.2 ms over SmolLM2's projections at 3 rows, 12.3 against 11.9 at 2).
 constexpr int64_t kAmxFromRows = 3;
@@ -97,7 +94,6 @@ bool has_bf16_gemv() { return TANDEM_HAS_BF16_GEMV; }
 
 int64_t bf16_gemv_max_rows(int64_t out_features, int64_t in_features) {
   if (!TANDEM_HAS_BF16_GEMV) return 0;
-  if (bf16_gemm_packs()) return kMaxRowsBeforeGemm;
   return std::max(kMaxRows, amx_linear_max_rows(out_features, in_features));
 }
 

@@ -81,18 +81,24 @@ void write_kv_rows(char* cache, const int64_t* slot, int64_t n, int64_t kv_heads
 void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d);
 void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t M, int64_t N, int64_t K);
+// bf16_gemm on raw rows of an even in_features (whole bfloat16 pairs), over a weight that
+// bf16_gemm_holds; bf16_gemm_rows checks only that this build has the kernel.
+bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_features);
+void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features);
 // The rows bf16_gemv runs on bf16_gemv_rows on any host (from kAmxFromRows it may take AMX).
 int64_t bf16_gemv_rows_on_every_host();
 void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>& p);
 // decode_attention's checks of its metadata: dtypes, shapes, every length and block id in range.
 void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,
                            int64_t n, int64_t num_blocks, int64_t block_size);
-// decode_layers for steps of up to decode_rows_max_rows() rows where every projection is a
-// plain bfloat16 weight on the GEMV (decode_rows.cpp): plain[4 l + i] is layer l's qkv, o,
-// gate_up, down weight; the other arguments are decode_layers'.
+// decode_layers for steps of up to decode_rows_max_rows() rows where every projection runs on
+// one kernel over raw rows (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o,
+// gate_up, down weight, packed by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV;
+// the other arguments are decode_layers'.
 int64_t decode_rows_max_rows();
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
-                       const std::vector<at::Tensor>& plain,
+                       const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,

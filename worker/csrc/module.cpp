@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "a decode step through every layer of a llama-shaped model");
   m.def("decode_rows_max_rows", &decode_rows_max_rows,
-        "the most rows decode_rows takes here (0: no GEMV, no decode_rows)");
+        "the most rows decode_rows takes here (0: no AVX512-BF16, no decode_rows)");
   m.def("decode_rows", &decode_rows,
-        "decode_layers for a step of one or two rows over plain bfloat16 weights, on raw rows");
+        "decode_layers for a step of one or two rows on raw rows, on the GEMV or bf16_gemm");
 }

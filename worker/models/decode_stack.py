@@ -8,9 +8,10 @@ projections (the GEMV for the rows it takes where it exists, the matmul of their
 bit-identical to one through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
-native kernels. Steps of one or two rows whose projections all run on the GEMV go to
-``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): the same kernels on raw rows,
-with no tensor made per op, which at one row took ~1 ms of a ~10 ms step. Qwen3's q/k
+native kernels. Steps of one or two rows whose projections all run on one raw-row kernel
+(the GEMV over plain weights, or where it packs, the AVX512-BF16 GEMM over its packed
+ones) go to ``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): the same kernels
+on raw rows, with no tensor made per op, which at one row took ~1 ms of a ~10 ms step. Qwen3's q/k
 norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
 a prefill keep the Python layers.
 """
@@ -21,7 +22,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderLayer, DecoderLM
-from worker.models.packed_linear import ONEDNN_CODE, PackedLinear
+from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
 from worker.ops import NativeOps, Ops
 
@@ -69,9 +70,13 @@ class DecodeStack:
                     self.gguf_types.append(-1)
                     gemv_rows.append(linear.gemv_rows if linear.weight is not None else 0)
             self.biases += [linears[0].bias, linears[1].bias]
-        # The most rows decode_rows takes: where every projection's GEMV takes them too.
-        self.raw_rows = min([ops.kernels.decode_rows_max_rows(), *gemv_rows])
-        self.raw_weights = [w for w in self.plain if w is not None] if self.raw_rows else []
+        # The most rows decode_rows takes: where every projection's GEMV takes them too,
+        # or every projection is the GEMM's (which takes any rows).
+        self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
+        raw_limit = ops.kernels.decode_rows_max_rows()
+        self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
+        raw = self.packed if self.raw_gemm else self.plain
+        self.raw_weights = [w for w in raw if w is not None] if self.raw_rows else []
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -135,7 +140,9 @@ class DecodeStack:
             self.scale,
         )
         if x.shape[0] <= self.raw_rows:
-            return self.kernels.decode_rows(x, self.norms, self.raw_weights, self.biases, *step)
+            return self.kernels.decode_rows(
+                x, self.norms, self.raw_weights, self.raw_gemm, self.biases, *step
+            )
         return self.kernels.decode_layers(
             x,
             self.norms,
