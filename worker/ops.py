@@ -219,8 +219,9 @@ class NativeOps(TorchOps):
         # Where the GEMM packs, it takes every batch, one row included: its one ascending
         # stream per 32 outputs, with no horizontal sum per output, reads SmolLM2's
         # projections at 1 row in 4.2 ms against the GEMV's 5.3 on an AMD EPYC (Zen 5)
-        # reading 76 GB/s, and level with it (8.24 against 8.29) on one (Zen 4) reading
-        # ~35 (bench.gemv). No GEMV there also means no second, plain copy of the weights.
+        # reading 76 GB/s, and level with it (8.24 against 8.29) on the earlier AMD
+        # EPYC hosts, whose memory and bf16 matmul were about half as fast (bench.gemv).
+        # No GEMV there also means no second, plain copy of the weights.
         if not self.kernels.has_bf16_gemv() or self.kernels.bf16_gemm_packs():
             return None
         return Gemv(self.kernels.bf16_gemv, self.kernels.bf16_gemv_max_rows)

@@ -10,18 +10,20 @@ is left alone: its prepacked kernels accumulate in another order, and float32 is
 dtype of the parity tests.
 
 At decode batch sizes a projection is a single pass over its weight, and oneDNN's
-per-call setup and packed layout keep it well below the memory's speed; where the native
-kernels have an AVX512-BF16 GEMV (``NativeOps.small_batch_linear``: 1-4 rows, and on AMX
-CPUs 3-32 rows where a weight's shape fits its tiles), those rows go to it instead,
-over the plain weight kept beside the packed one. That costs a second copy of the
-projection weights (the LM head of a tied model excepted: its plain weight is the
-embedding) and buys batch-1 steps at the memory floor (``python -m bench.gemv``).
+per-call setup and packed layout keep it well below the memory's speed. On AMX CPUs
+Tandem's AVX512-BF16 GEMV (``NativeOps.small_batch_linear``: 1-4 rows, and 3-32 rows on
+AMX tiles where a weight's shape fits them) takes those rows instead, over the plain
+weight kept beside the packed one: a second copy of the projection weights (the LM head
+of a tied model excepted: its plain weight is the embedding) that buys batch-1 steps at
+the memory floor (``python -m bench.gemv``).
 
-Past the GEMV's rows, on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5), Tandem's
-register-tiled GEMM (``NativeOps.packing``, ``worker/csrc/bf16_gemm.cpp``) replaces
-oneDNN: its packed copy takes the place of oneDNN's, and it is faster at every batch
-measured there, decode (1.3x at 32 rows) and prefill alike. A ``Packing`` is that choice,
-made once per process: how a weight is packed, and the kernel that multiplies by it.
+On CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5), Tandem's register-tiled GEMM
+(``NativeOps.packing``, ``worker/csrc/bf16_gemm.cpp``) replaces oneDNN and takes every
+batch, one row included: its packed copy takes the place of oneDNN's, there is no GEMV
+and no plain copy, and it is faster at every batch measured there, decode (1.3x
+oneDNN at 32 rows, 1.27x the GEMV at one row on a Zen 5, level with it on slower AMD hosts) and
+prefill alike. A ``Packing`` is that choice, made once per process: how a weight is
+packed, and the kernel that multiplies by it.
 """
 
 from __future__ import annotations
