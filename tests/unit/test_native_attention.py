@@ -1,6 +1,7 @@
 """The native CPU decode-attention kernel against the PyTorch path (block gather + SDPA)
 and a float64 reference: GQA ratios, head sizes, sliding windows, ragged contexts over
-scattered blocks, and the dtypes served."""
+scattered blocks, and the dtypes served; a sequence's output is the same alone and in any
+batch, blocks shared with another sequence included."""
 
 from __future__ import annotations
 
@@ -86,6 +87,43 @@ def test_kernel_matches_reference_and_torch_path(
     )
     assert (torch_path.double() - exact).abs().max() < tol
     assert (native_path.double() - exact).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 30])
+def test_a_sequence_comes_out_the_same_alone_and_in_any_batch(
+    dtype: torch.dtype, window: int
+) -> None:
+    """Blocks shared by two sequences (a cached prefix), scattered and in any order: each
+    sequence's output equals its output alone, bit for bit."""
+    kernels = load_native_kernels()
+    gen = torch.Generator().manual_seed(window + 3)
+    heads, kv_heads, dim, num_blocks = 9, 3, 64, 40
+    cache = torch.randn(2, num_blocks, kv_heads, BLOCK, dim, generator=gen).to(dtype)
+    lens = [70, 33, 5, 64, 120]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for length in lens:
+        n = -(-length // BLOCK)
+        tables.append(perm[used : used + n])
+        used += n
+    tables[1][:2] = tables[0][:2]  # sequence 1 shares sequence 0's first two blocks
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+    batch = kernels.decode_attention(q, cache, table, torch.tensor(lens), scale, window, BLOCK)
+    for i in range(len(lens)):
+        alone = kernels.decode_attention(
+            q[i : i + 1].contiguous(),
+            cache,
+            table[i : i + 1].contiguous(),
+            torch.tensor(lens[i : i + 1]),
+            scale,
+            window,
+            BLOCK,
+        )
+        assert torch.equal(alone[0], batch[i]), f"sequence {i}"
 
 
 def test_kernel_refuses_out_of_range_metadata() -> None:
