@@ -20,6 +20,7 @@ import yaml
 
 from common.process import dies_with_this_process
 from common.shm import SHM_DIR
+from tests.deploy.metrics import metrics_once_handed_off
 from tests.stack import free_port
 
 COMPOSE = Path(__file__).parents[2] / "deploy" / "docker-compose.yml"
@@ -87,15 +88,6 @@ def test_the_compose_split_topology_serves_and_hands_off(topology: str) -> None:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
-    # The engine's hand-off counters reach the API server with its heartbeat (every 0.2 s):
-    # a scrape right after the response may be a beat behind, so wait a few beats.
-    deadline = time.monotonic() + 10
-    while True:
-        metrics = httpx.get(f"{topology}/metrics", timeout=10).text
-        done = re.search(r'tandem:kv_transfers_total\{[^}]*outcome="done"[^}]*\} (\S+)', metrics)
-        if (done is not None and float(done[1]) >= 1) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert done is not None and float(done[1]) >= 1, metrics[-2000:]
+    metrics = metrics_once_handed_off(topology)
     pools = set(re.findall(r'tandem:num_requests_running\{[^}]*pool="(\w+)"', metrics))
     assert pools == {"prefill", "decode"}

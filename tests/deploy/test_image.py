@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deploy.metrics import metrics_once_handed_off
 from tests.stack import free_port
 from tests.tools import venv_tool
 
@@ -146,8 +147,6 @@ def split_compose(image: str) -> Iterator[str]:
 def test_the_compose_split_profile_hands_kv_off_through_shared_memory(split_compose: str) -> None:
     lines = curl_stream(split_compose, LONG)
     assert lines[-1] == "data: [DONE]"
-    metrics = httpx.get(f"{split_compose}/metrics", timeout=10).text
-    done = re.search(r'tandem:kv_transfers_total\{[^}]*outcome="done"[^}]*\} (\S+)', metrics)
-    assert done is not None and float(done[1]) >= 1, metrics[-2000:]
+    metrics = metrics_once_handed_off(split_compose)
     bytes_streamed = re.search(r"tandem:kv_transfer_bytes_total\{[^}]*\} (\S+)", metrics)
     assert bytes_streamed is not None and float(bytes_streamed[1]) == 0  # ids, not bytes
