@@ -37,16 +37,30 @@ using Bf16 = c10::BFloat16;
 constexpr int64_t kTile = 16;  // tokens per tile: one vector of scores
 constexpr int64_t kChunk = 64;  // dims whose value sums one pass keeps in registers
 
-// Asks for the rows of tokens t0 .. t0 + count (KV head g) to be brought into cache while
-// the current tile is computed: the rows are scattered over blocks.
-inline void prefetch_rows(const Problem<Bf16>& p, const Bf16* cache, const int64_t* blocks,
-                          int64_t g, int64_t t0, int64_t count) {
-  int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
-  for (int64_t i = 0; i < count; ++i) {
-    const char* row = reinterpret_cast<const char*>(cache + p.at(blocks[block], g, offset));
-    for (int64_t b = 0; b < p.dim * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    if (++offset == p.block_size) offset = 0, ++block;
+// Rows of the cache a pass reads ahead of computing on them (32 KiB at head size 64),
+// so they are in cache when the computing reaches them.
+constexpr int64_t kAheadBytes = 32 << 10;
+
+// Loads the rows of KV head g for tokens [t0, t1), block by block, each block's rows as
+// the one run they are, in a loop that does nothing else. The computing loops spend a few
+// hundred instructions on a tile, so the CPU's window holds the misses of about one block
+// at a time; this loop keeps some 150 lines on their way. Software prefetches, at any
+// distance and hint, changed nothing on the Zen 5 host where this was measured; demand
+// loads do: at 32 sequences x 256 tokens, 30 layers took 7.5 ms instead of 9.9, 8 x 256
+// 1.76 instead of 2.17. Where the rows are in cache already (a prefix that many sequences
+// share) this is a second read: 2.8 ms instead of 2.2 in that test (docs/benchmarks.md).
+inline void read_ahead(const Problem<Bf16>& p, const Bf16* cache, const int64_t* blocks,
+                       int64_t g, int64_t t0, int64_t t1) {
+  __m512i any = _mm512_setzero_si512();
+  for (int64_t t = t0; t < t1;) {
+    const int64_t block = t / p.block_size, offset = t % p.block_size;
+    const int64_t rows = std::min(t1 - t, p.block_size - offset);
+    const char* run = reinterpret_cast<const char*>(cache + p.at(blocks[block], g, offset));
+    for (int64_t b = 0; b < rows * p.dim * 2; b += 64)
+      any = _mm512_or_si512(any, _mm512_loadu_si512(run + b));
+    t += rows;
   }
+  asm volatile("" : : "v"(any));  // the loads are the point: keep them
 }
 
 inline __m512bh pairs(const Bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
@@ -74,10 +88,10 @@ void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& 
   const __m512 scale = _mm512_set1_ps(p.scale);
   // Scores: q . k for every key, 16 tokens a tile.
   const Bf16* rows[kTile];
+  const int64_t ahead = std::max(kTile, kAheadBytes / (p.dim * 2) / kTile * kTile);
   for (int64_t t0 = first; t0 < len; t0 += kTile) {
     const int64_t count = std::min(kTile, len - t0);
-    if (t0 + kTile < len) prefetch_rows(p, p.k, blocks, g, t0 + kTile, std::min(kTile, len - t0 - kTile));
-    else prefetch_rows(p, p.v, blocks, g, first, std::min(kTile, span));  // the values' first tile
+    if ((t0 - first) % ahead == 0) read_ahead(p, p.k, blocks, g, t0, std::min(len, t0 + ahead));
     int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
     for (int64_t i = 0; i < count; ++i) {
       rows[i] = p.k + p.at(blocks[block], g, offset);
@@ -107,8 +121,8 @@ void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& 
       for (int w = 0; w < 4; ++w) acc[h][w] = _mm512_setzero_ps();
     int64_t block = first / p.block_size, offset = first % p.block_size;
     for (int64_t t = first; t < len; ++t) {
-      if (c0 == 0 && (t - first) % kTile == 0 && t + kTile < len)  // whole rows: later passes too
-        prefetch_rows(p, p.v, blocks, g, t + kTile, std::min(kTile, len - t - kTile));
+      if (c0 == 0 && (t - first) % ahead == 0)  // whole rows: later passes too
+        read_ahead(p, p.v, blocks, g, t, std::min(len, t + ahead));
       const Bf16* src = p.v + p.at(blocks[block], g, offset) + c0;
       if (++offset == p.block_size) offset = 0, ++block;
       const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 32);
