@@ -48,7 +48,7 @@ def test_built_with_the_gemv_and_chosen_where_there_is_no_amx() -> None:
 
 
 @needs_gemm
-# 14 (one tile of the most rows), 15 (two of 8 and 7), 29 (10, 10, 9), 32 (11, 11, 10)
+# 14 (one tile of the most rows), 15 (14 and 1), 29 (14, 8, 7), 32 (14, 9, 9)
 @pytest.mark.parametrize("rows", [1, 2, 3, 9, 14, 15, 29, 32, 33, 200])
 @pytest.mark.parametrize(
     ("out_features", "in_features"),

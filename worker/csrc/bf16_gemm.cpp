@@ -16,11 +16,12 @@
 // 32 outputs: 28 float32 accumulators in registers, 2 weight vectors and 14 broadcasts
 // per K pair for 28 products. A group (32 x in x 2 bytes: 36 KiB at in = 576) is read
 // from memory by the first tile and from cache by the others, and those later passes
-// are what a tile's height saves: the rows are split into as few tiles as fit, of even
-// heights. Against 10-row tiles and a short last one (32 rows: 10 + 10 + 10 + 2), that
-// took 12-15% off 12-14, 24-40 and 64 rows and 7% off 128 on a Zen 5 (bench.gemv's
-// projections), and left the rest level. Of the other tiles tried (8 x 48, 9 x 48, and
-// 16 outputs by up to 28 rows, which read each group in halves) none was faster.
+// are what a tile's height saves: the rows are split into as few tiles as fit, the first
+// as tall as can be (group_rows). Against 10-row tiles and a short last one (32 rows:
+// 10 + 10 + 10 + 2), tiles of even heights took 12-15% off 12-14, 24-40 and 64 rows and
+// 7% off 128 on a Zen 5 (bench.gemv's projections); the tallest first took another 9% off
+// 16 rows, 4-6% off 24-32 and 1-3% off 40-64. Of the other tiles tried (8 x 48, 9 x 48,
+// and 16 outputs by up to 28 rows, which read each group in halves) none was faster.
 //
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
@@ -46,7 +47,7 @@ namespace {
 constexpr int64_t kBlock = 16;          // outputs per vector
 constexpr int64_t kGroupBlocks = 2;     // blocks per group: 32 outputs a tile
 constexpr int64_t kTileRows = 14;       // rows of x per tile, at most
-static_assert(kTileRows <= 14, "group_rows has a tile for each height up to 14, the most registers hold");
+static_assert(kTileRows <= 14, "tile_rows has a tile for each height up to 14, the most registers hold");
 
 int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
 int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / kBlock; }
@@ -90,33 +91,43 @@ void tile(const uint32_t* x, int64_t pairs, const __m512bh* w, const uint16_t* b
   }
 }
 
-// Every row of x against one group, in as few tiles as kTileRows allows, their rows as
-// even as can be (32 rows: 11, 11, 10). Each tile reads the group again, so the count
-// of tiles is what costs; a short last tile (10 + 10 + 10 + 2) added a fourth pass.
+// One tile of `height` rows (1 to kTileRows): the height is a template argument, so
+// a switch picks the instance.
+template <int B>
+void tile_rows(int64_t height, const uint32_t* x, int64_t pairs, const __m512bh* w,
+               const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y,
+               const __m512bh* next) {
+  switch (height) {
+#define TANDEM_TILE(R)                                                 \
+  case R:                                                              \
+    return tile<R, B>(x, pairs, w, bias, out0, out_features, y, next);
+    TANDEM_TILE(1) TANDEM_TILE(2) TANDEM_TILE(3) TANDEM_TILE(4) TANDEM_TILE(5)
+    TANDEM_TILE(6) TANDEM_TILE(7) TANDEM_TILE(8) TANDEM_TILE(9) TANDEM_TILE(10)
+    TANDEM_TILE(11) TANDEM_TILE(12) TANDEM_TILE(13) TANDEM_TILE(14)
+#undef TANDEM_TILE
+    default:
+      TORCH_CHECK(false, "bf16_gemm: a tile of ", height, " rows");
+  }
+}
+
+// Every row of x against one group, in as few tiles as kTileRows allows. Each tile
+// reads the group again, so the count of tiles is what costs; the first reads it from
+// memory, which takes about as long as its sums however many rows it has, so it takes the
+// most rows and the others share the rest evenly (32 rows: 14, 9, 9).
 template <int B>
 void group_rows(const uint32_t* x, int64_t rows, int64_t pairs, const __m512bh* w,
                 const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y,
                 const __m512bh* next) {
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  const int64_t base = rows / tiles, longer = rows % tiles;  // the first `longer` get one more
-  for (int64_t t = 0, r = 0; t < tiles; r += base + (t < longer), ++t) {
-    const uint32_t* xr = x + r * pairs;
-    uint16_t* yr = y + r * out_features;
-    const __m512bh* fetch = t == 0 ? next : nullptr;
-    switch (base + (t < longer)) {
-#define TANDEM_TILE(R)                                                                \
-  case R:                                                                             \
-    tile<R, B>(xr, pairs, w, bias, out0, out_features, yr, fetch);                   \
-    break;
-      TANDEM_TILE(1) TANDEM_TILE(2) TANDEM_TILE(3) TANDEM_TILE(4) TANDEM_TILE(5)
-      TANDEM_TILE(6) TANDEM_TILE(7) TANDEM_TILE(8) TANDEM_TILE(9) TANDEM_TILE(10)
-      TANDEM_TILE(11) TANDEM_TILE(12) TANDEM_TILE(13) TANDEM_TILE(14)
-#undef TANDEM_TILE
-      default:
-        break;
-    }
-  }
+  if (tiles == 1) return tile_rows<B>(rows, x, pairs, w, bias, out0, out_features, y, next);
+  tile_rows<B>(kTileRows, x, pairs, w, bias, out0, out_features, y, next);
+  const int64_t rest = rows - kTileRows, others = tiles - 1;
+  const int64_t base = rest / others, longer = rest % others;  // the first `longer` get one more
+  for (int64_t t = 0, r = kTileRows; t < others; r += base + (t < longer), ++t)
+    tile_rows<B>(base + (t < longer), x + r * pairs, pairs, w, bias, out0, out_features,
+                 y + r * out_features, nullptr);
 }
+
 #endif
 
 }  // namespace
