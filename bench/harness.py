@@ -99,9 +99,10 @@ def tandem_server(*flags: str) -> Iterator[str]:
 
 
 @contextmanager
-def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
+def tandem_process(*flags: str, cwd: Path | None = None) -> Iterator[tuple[str, int]]:
     """``tandem serve`` with these flags on a free port; yields its URL and the
-    launcher's pid (the engine, worker and API server are its children)."""
+    launcher's pid (the engine, worker and API server are its children). ``cwd``: the
+    checkout whose code it runs (default: this one)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -115,7 +116,7 @@ def tandem_process(*flags: str) -> Iterator[tuple[str, int]]:
         *flags,
     ]
     # The launcher dies with the benchmark if it is killed: no server left running.
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process())
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process(), cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, "tandem serve", 300)

@@ -129,3 +129,29 @@ def test_one_client_points_interleave_request_by_request() -> None:
     firsts = [order[3 * i][1] for i in range(4)]
     assert set(firsts) == {"a", "b", "c"}
     assert interleaved_order(["alone"], 2) == [(0, "alone"), (1, "alone")]
+
+
+def test_paired_rounds_alternate_and_ratios_are_head_over_base() -> None:
+    from bench.paired import paired_summary, round_order
+
+    assert [round_order(i) for i in range(4)] == [
+        ("base", "head"),
+        ("head", "base"),
+        ("base", "head"),
+        ("head", "base"),
+    ]
+
+    def side(tok_s: float, itl_p50: float) -> dict[str, Any]:
+        return {"output_tok_s": tok_s, "itl_s": {"p50": itl_p50}}
+
+    rounds = [
+        {"base": side(100.0, 0.020), "head": side(120.0, 0.016)},
+        {"base": side(80.0, 0.025), "head": side(100.0, 0.020)},
+        {"base": side(110.0, 0.018), "head": side(99.0, 0.020)},
+    ]
+    summary = paired_summary(rounds)
+    assert summary["tok_s_ratios"] == pytest.approx([1.2, 1.25, 0.9])
+    assert summary["itl_p50_ratios"] == pytest.approx([0.8, 0.8, 0.020 / 0.018])
+    assert summary["head_faster_rounds"] == 2
+    assert summary["median_tok_s"] == {"base": 100.0, "head": 100.0}
+    assert summary["median_itl_p50_s"] == pytest.approx({"base": 0.020, "head": 0.020})
