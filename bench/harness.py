@@ -91,6 +91,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tandem_bench_flags(dtype: str, max_concurrency: int) -> tuple[str, ...]:
+    """The `tandem serve` flags every serving benchmark runs Tandem with: the dtype
+    compared, and room for every client at once (at least vLLM's default 64 sequences)."""
+    return ("--dtype", dtype, "--max-num-seqs", str(max(64, max_concurrency)))
+
+
 @contextmanager
 def tandem_server(*flags: str) -> Iterator[str]:
     """``tandem serve`` with these flags on a free port; yields its URL."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.harness import MODEL, print_table, tandem_process, write_results
+from bench.harness import MODEL, print_table, tandem_bench_flags, tandem_process, write_results
 from bench.loadgen import run_load
 from bench.stats import Slo, summarize
 from bench.workloads import WORKLOADS, make_requests
@@ -82,7 +82,7 @@ def checkout(rev: str, into: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     requests = make_requests(args.workload, args.num_requests)
-    common = ("--dtype", args.dtype, "--max-num-seqs", str(max(64, args.concurrency)))
+    common = tandem_bench_flags(args.dtype, args.concurrency)
     flags = {"base": args.base_flags.split(), "head": args.head_flags.split()}
     rounds: list[dict[str, dict[str, Any]]] = []
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="tandem-paired-") as tmp:

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import torch
 
-from bench.harness import print_table, tandem_process, write_results
+from bench.harness import print_table, tandem_bench_flags, tandem_process, write_results
 from bench.loadgen import run_load
 from bench.peers import llama_server as llama
 from bench.peers import transformers_peer as hf
@@ -134,7 +134,7 @@ class Systems:
         if unknown:
             raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
         max_c = max(args.concurrency)
-        common = ("--dtype", args.dtype, "--max-num-seqs", str(max(64, max_c)))
+        common = tandem_bench_flags(args.dtype, max_c)
         for system in wanted:
             try:
                 self._start(system, common, max_c)
