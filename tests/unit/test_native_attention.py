@@ -54,13 +54,15 @@ def test_kernel_matches_reference_and_torch_path(
 ) -> None:
     kernels = load_native_kernels()
     gen = torch.Generator().manual_seed(heads * dim + window)
-    num_blocks = 90
+    num_blocks = 450
     by_slot = torch.randn(2, num_blocks * BLOCK, kv_heads, dim, generator=gen).to(dtype)
     # The cache's layout: [2, blocks, kv_heads, BLOCK, dim]
     cache = by_slot.view(2, num_blocks, BLOCK, kv_heads, dim).transpose(2, 3).contiguous()
     # 250: sixteen tiles, the last one short; 600: past the rows the bfloat16 kernel reads
-    # ahead at once (256 at head size 64, fewer at larger heads)
-    lens = [1, 17, 64, 100, 37, 250, 600]
+    # ahead at once (256 at head size 64, fewer at larger heads); 600, 1100 and 4500:
+    # contexts the bfloat16 kernel splits into parts, of 512 tokens (two, three) and, past
+    # eight of those, of 1,024 (five)
+    lens = [1, 17, 64, 100, 37, 250, 600, 1100, 4500]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for length in lens:  # scattered, unordered blocks
@@ -92,17 +94,42 @@ def test_kernel_matches_reference_and_torch_path(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_context_whose_scores_peak_in_one_part(dtype: torch.dtype) -> None:
+    """3,000 tokens (the bfloat16 kernel's parts: six, of 512 or fewer), the keys of tokens 1,000 to
+    1,100 turned toward the query: that part's scores are far above the rest, so parts merged
+    without rescaling each to the largest max would be far off."""
+    kernels = load_native_kernels()
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, length = 9, 3, 64, 3000
+    num_blocks = -(-length // BLOCK)
+    by_slot = torch.randn(2, num_blocks * BLOCK, kv_heads, dim, generator=gen)
+    q = torch.randn(1, heads, dim, generator=gen)
+    for g in range(kv_heads):  # each KV head toward its first query head
+        by_slot[0, 1000:1100, g] += 0.4 * q[0, g * (heads // kv_heads)]
+    by_slot, q = by_slot.to(dtype), q.to(dtype)
+    cache = by_slot.view(2, num_blocks, BLOCK, kv_heads, dim).transpose(2, 3).contiguous()
+    table = torch.randperm(num_blocks, generator=gen)
+    ours = kernels.decode_attention(
+        q, cache, table[None].contiguous(), torch.tensor([length]), dim**-0.5, 0, BLOCK
+    )
+    exact = reference(q, by_slot, [table.tolist()], [length], 0)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert (ours.double() - exact).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 30])
 def test_a_sequence_comes_out_the_same_alone_and_in_any_batch(
     dtype: torch.dtype, window: int
 ) -> None:
     """Blocks shared by two sequences (a cached prefix), scattered and in any order: each
-    sequence's output equals its output alone, bit for bit."""
+    sequence's output equals its output alone, bit for bit; contexts the bfloat16 kernel
+    splits into parts (1100, 600) too."""
     kernels = load_native_kernels()
     gen = torch.Generator().manual_seed(window + 3)
-    heads, kv_heads, dim, num_blocks = 9, 3, 64, 40
+    heads, kv_heads, dim, num_blocks = 9, 3, 64, 150
     cache = torch.randn(2, num_blocks, kv_heads, BLOCK, dim, generator=gen).to(dtype)
-    lens = [70, 33, 5, 64, 120]
+    lens = [70, 33, 1100, 5, 64, 600, 120]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for length in lens:

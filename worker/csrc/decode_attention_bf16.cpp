@@ -1,6 +1,7 @@
 // Paged decode attention over a bfloat16 cache with AVX512-BF16: the shapes we serve
 // (head size 64, 128 or 256, at most 4 query heads per KV head); decode_attention.cpp
-// takes the others. One task is one (sequence, KV head) pair, as there.
+// takes the others. One task is one (sequence, KV head) pair, as there, or a part of its
+// context where that is long (below: part_tokens).
 //
 // Nothing is converted on the way in. Keys are dotted with the query where they lie
 // (VDPBF16PS: bfloat16 pairs multiplied exactly, summed in float32), 16 tokens a tile,
@@ -13,7 +14,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -75,11 +79,23 @@ inline void store_pairs(Bf16* dst, __m512 even, __m512 odd, __m512 scale) {
   tandem::store_lanes(dst + 16, _mm512_permutex2var_ps(even, second, odd));
 }
 
-// The G query heads of KV head g of one sequence against its context; head size D * 32 (a
-// constant: the tile's 16 x D products unroll, and their sums stay in registers).
+// What one part of a sequence's context gives its G query heads: the max of their scores,
+// the sum of exp(score - max), and the values weighted by those numerators, not yet divided
+// by the sum: per head, per 64 dims, the even and odd lanes of the first 32 and of the next.
 template <int G, int D>
-void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& scores) {
-  const int64_t first = p.first(seq), len = p.lens[seq], span = len - first;
+struct PartSums {
+  float top[G];
+  float total[G];
+  __m512 values[G][2 * D];
+};
+
+// The G query heads of KV head g of one sequence against tokens [t_begin, t_end) of its
+// context; head size D * 32 (a constant: the tile's 16 x D products unroll, and their sums
+// stay in registers).
+template <int G, int D>
+void attend_part(const Problem<Bf16>& p, int64_t seq, int64_t g, int64_t t_begin,
+                 int64_t t_end, std::vector<float>& scores, PartSums<G, D>& sums) {
+  const int64_t span = t_end - t_begin;
   const int64_t* blocks = p.table + seq * p.max_blocks;
   scores.resize(G * span);
   __m512bh query[G][D];
@@ -89,9 +105,9 @@ void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& 
   // Scores: q . k for every key, 16 tokens a tile.
   const Bf16* rows[kTile];
   const int64_t ahead = std::max(kTile, kAheadBytes / (p.dim * 2) / kTile * kTile);
-  for (int64_t t0 = first; t0 < len; t0 += kTile) {
-    const int64_t count = std::min(kTile, len - t0);
-    if ((t0 - first) % ahead == 0) read_ahead(p, p.k, blocks, g, t0, std::min(len, t0 + ahead));
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int64_t count = std::min(kTile, t_end - t0);
+    if ((t0 - t_begin) % ahead == 0) read_ahead(p, p.k, blocks, g, t0, std::min(t_end, t0 + ahead));
     int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
     for (int64_t i = 0; i < count; ++i) {
       rows[i] = p.k + p.at(blocks[block], g, offset);
@@ -99,30 +115,29 @@ void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& 
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
     for (int h = 0; h < G; ++h) {
-      __m512 sums[kTile];
+      __m512 dots[kTile];
       for (int64_t i = 0; i < kTile; ++i) {
-        sums[i] = _mm512_setzero_ps();
+        dots[i] = _mm512_setzero_ps();
         if (i < count)
           for (int c = 0; c < D; ++c)
-            sums[i] = _mm512_dpbf16_ps(sums[i], query[h][c], pairs(rows[i] + 32 * c));
+            dots[i] = _mm512_dpbf16_ps(dots[i], query[h][c], pairs(rows[i] + 32 * c));
       }
-      _mm512_mask_storeu_ps(scores.data() + h * span + (t0 - first), keep,
-                            _mm512_mul_ps(transpose_sum(sums), scale));
+      _mm512_mask_storeu_ps(scores.data() + h * span + (t0 - t_begin), keep,
+                            _mm512_mul_ps(transpose_sum(dots), scale));
     }
   }
-  float inv[G];
-  for (int h = 0; h < G; ++h) inv[h] = 1.f / tandem::softmax_numerators(scores.data() + h * span, span);
+  for (int h = 0; h < G; ++h)
+    sums.total[h] = tandem::softmax_numerators(scores.data() + h * span, span, &sums.top[h]);
   // Values: 64 dims a pass over the context, every head's sums in registers throughout.
   const __m512i high = _mm512_set1_epi32(~0xFFFF);
-  Bf16* out = p.out + (seq * p.heads + g * G) * p.dim;
   for (int64_t c0 = 0; c0 < D * 32; c0 += kChunk) {
     __m512 acc[G][4];  // per head: dims c0 .. c0 + 32 even, odd; c0 + 32 .. c0 + 64 even, odd
     for (int h = 0; h < G; ++h)
       for (int w = 0; w < 4; ++w) acc[h][w] = _mm512_setzero_ps();
-    int64_t block = first / p.block_size, offset = first % p.block_size;
-    for (int64_t t = first; t < len; ++t) {
-      if (c0 == 0 && (t - first) % ahead == 0)  // whole rows: later passes too
-        read_ahead(p, p.v, blocks, g, t, std::min(len, t + ahead));
+    int64_t block = t_begin / p.block_size, offset = t_begin % p.block_size;
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      if (c0 == 0 && (t - t_begin) % ahead == 0)  // whole rows: later passes too
+        read_ahead(p, p.v, blocks, g, t, std::min(t_end, t + ahead));
       const Bf16* src = p.v + p.at(blocks[block], g, offset) + c0;
       if (++offset == p.block_size) offset = 0, ++block;
       const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 32);
@@ -131,24 +146,108 @@ void attend(const Problem<Bf16>& p, int64_t seq, int64_t g, std::vector<float>& 
                            _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
                            _mm512_castsi512_ps(_mm512_and_si512(hi, high))};
       for (int h = 0; h < G; ++h) {
-        const __m512 weight = _mm512_set1_ps(scores[h * span + (t - first)]);
+        const __m512 weight = _mm512_set1_ps(scores[h * span + (t - t_begin)]);
         for (int w = 0; w < 4; ++w) acc[h][w] = _mm512_fmadd_ps(weight, v[w], acc[h][w]);
       }
     }
-    for (int h = 0; h < G; ++h) {
-      const __m512 norm = _mm512_set1_ps(inv[h]);
-      store_pairs(out + h * p.dim + c0, acc[h][0], acc[h][1], norm);
-      store_pairs(out + h * p.dim + c0 + 32, acc[h][2], acc[h][3], norm);
+    for (int h = 0; h < G; ++h)
+      for (int w = 0; w < 4; ++w) sums.values[h][c0 / 16 + w] = acc[h][w];
+  }
+}
+
+// out := the G heads' attention: their value sums divided by their totals.
+template <int G, int D>
+void store_heads(const Problem<Bf16>& p, int64_t seq, int64_t g, const PartSums<G, D>& sums) {
+  Bf16* out = p.out + (seq * p.heads + g * G) * p.dim;
+  for (int h = 0; h < G; ++h) {
+    const __m512 norm = _mm512_set1_ps(1.f / sums.total[h]);
+    for (int64_t c0 = 0; c0 < D * 32; c0 += kChunk) {
+      const __m512* v = sums.values[h] + c0 / 16;
+      store_pairs(out + h * p.dim + c0, v[0], v[1], norm);
+      store_pairs(out + h * p.dim + c0 + 32, v[2], v[3], norm);
+    }
+  }
+}
+
+// Tokens of a context of `span` tokens that one task takes: a multiple of kPartTokens, at
+// most kMaxParts tasks a context. One sequence alone has only as many tasks as KV heads (3
+// for SmolLM2: 2 + 1 on two cores); split, one stream's attention at 2,000-8,000 tokens
+// takes a fifth less time. Parts start on the grid the passes read ahead on (kPartTokens is
+// a multiple of every head size's `ahead`), so the rows are read in the same runs, split or
+// not. The split depends on the sequence alone, never on the batch, so a sequence's output
+// is the same in any batch. Contexts up to kPartTokens stay one part, bit for bit what they
+// were before there were parts.
+constexpr int64_t kPartTokens = 512;
+constexpr int64_t kMaxParts = 8;  // bounds the sums kept: 8 x 4 KiB per (sequence, KV head)
+
+int64_t part_tokens(int64_t span) {
+  const int64_t share = (span + kMaxParts - 1) / kMaxParts;
+  return std::max(kPartTokens, (share + kPartTokens - 1) / kPartTokens * kPartTokens);
+}
+
+// Part sums merged, in part order: each rescaled to the largest max.
+template <int G, int D>
+void merge_parts(const PartSums<G, D>* parts, int64_t count, PartSums<G, D>& merged) {
+  for (int h = 0; h < G; ++h) {
+    float top = parts[0].top[h];
+    for (int64_t i = 1; i < count; ++i) top = std::max(top, parts[i].top[h]);
+    merged.top[h] = top;
+    merged.total[h] = 0.f;
+    for (int w = 0; w < 2 * D; ++w) merged.values[h][w] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; ++i) {
+      const float weight = std::exp(parts[i].top[h] - top);
+      merged.total[h] += weight * parts[i].total[h];
+      const __m512 scale = _mm512_set1_ps(weight);
+      for (int w = 0; w < 2 * D; ++w)
+        merged.values[h][w] = _mm512_fmadd_ps(scale, parts[i].values[h][w], merged.values[h][w]);
     }
   }
 }
 
 template <int G, int D>
 void attend_all(const Problem<Bf16>& p) {
-  at::parallel_for(0, p.n * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per part of each (sequence, KV head): sequence s's from first_task[s], KV
+  // head by KV head, each head's parts in order.
+  std::vector<int64_t> first_task(p.n + 1, 0), parts(p.n), part_len(p.n);
+  for (int64_t s = 0; s < p.n; ++s) {
+    const int64_t span = p.lens[s] - p.first(s);
+    part_len[s] = part_tokens(span);
+    parts[s] = std::max<int64_t>(1, (span + part_len[s] - 1) / part_len[s]);
+    first_task[s + 1] = first_task[s] + p.kv_heads * parts[s];
+  }
+  const int64_t tasks = first_task[p.n];
+  // The parts' sums wait in `kept` (a buffer kept across calls, which all come from the
+  // step's thread) until the task that finishes a head's last part, whichever thread runs
+  // it, merges them in part order: the same result either way.
+  static thread_local std::vector<PartSums<G, D>> buffer;
+  std::unique_ptr<std::atomic<int64_t>[]> done;
+  if (tasks > p.n * p.kv_heads) {
+    if (buffer.size() < static_cast<size_t>(tasks)) buffer.resize(tasks);
+    done.reset(new std::atomic<int64_t>[p.n * p.kv_heads]);
+    for (int64_t k = 0; k < p.n * p.kv_heads; ++k) done[k].store(0, std::memory_order_relaxed);
+  }
+  PartSums<G, D>* const kept = buffer.data();  // the caller's, not each thread's own
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task)
-      attend<G, D>(p, task / p.kv_heads, task % p.kv_heads, scores);
+    PartSums<G, D> merged;
+    int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= first_task[seq + 1]) ++seq;
+      const int64_t local = task - first_task[seq], g = local / parts[seq], i = local % parts[seq];
+      const int64_t first = p.first(seq);
+      if (parts[seq] == 1) {
+        attend_part<G, D>(p, seq, g, first, p.lens[seq], scores, merged);
+        store_heads<G, D>(p, seq, g, merged);
+        continue;
+      }
+      const int64_t begin_t = first + i * part_len[seq];
+      attend_part<G, D>(p, seq, g, begin_t, std::min(p.lens[seq], begin_t + part_len[seq]),
+                        scores, kept[task]);
+      if (done[seq * p.kv_heads + g].fetch_add(1, std::memory_order_acq_rel) + 1 < parts[seq])
+        continue;
+      merge_parts<G, D>(kept + first_task[seq] + g * parts[seq], parts[seq], merged);
+      store_heads<G, D>(p, seq, g, merged);
+    }
   });
 }
 #endif

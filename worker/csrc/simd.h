@@ -132,8 +132,8 @@ inline void add_scaled(float* acc, float weight, const T* value, int64_t dim) {
   for (int64_t j = 0; j < dim; ++j) acc[j] += weight * static_cast<float>(value[j]);
 }
 
-// scores[0, n) := exp(scores - max); returns their sum.
-inline float softmax_numerators(float* scores, int64_t n) {
+// scores[0, n) := exp(scores - max); returns their sum (and the max, where asked).
+inline float softmax_numerators(float* scores, int64_t n, float* max_out = nullptr) {
   float top = scores[0];
   int64_t t = 0;
 #if defined(__AVX512F__)
@@ -143,6 +143,7 @@ inline float softmax_numerators(float* scores, int64_t n) {
   top = _mm512_reduce_max_ps(tops);
 #endif
   for (; t < n; ++t) top = std::max(top, scores[t]);
+  if (max_out != nullptr) *max_out = top;
   float sum = 0.f;
   t = 0;
 #if defined(__AVX512F__)
