@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # Ordinary vocabulary ids of SmolLM2 (below are bytes and special tokens).
 _TOKEN_RANGE = (1_000, 45_000)
-WORKLOADS = ("single", "chat", "mixed", "shared-prefix", "long-prompt-interference")
+WORKLOADS = ("single", "chat", "mixed", "shared-prefix", "long-prompt-interference", "long-context")
 
 
 @dataclass(frozen=True)
@@ -52,4 +52,10 @@ def make_requests(workload: str, num_requests: int, seed: int = 0) -> list[Bench
             else:
                 out.append(BenchRequest(_tokens(rng, 32), 256, "decode"))
         return out
+    if workload == "long-context":
+        # A long document or conversation, then a long answer: decode steps where attention
+        # over 3,000-4,000 tokens of context weighs as much as the weights.
+        return [
+            BenchRequest(_tokens(rng, rng.randint(3000, 4000)), 256) for _ in range(num_requests)
+        ]
     raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")

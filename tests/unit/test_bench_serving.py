@@ -67,6 +67,8 @@ def test_workloads_are_seeded_and_shaped() -> None:
     chat = make_requests("chat", 32)
     assert len({tuple(r.prompt_ids) for r in chat}) == 32  # distinct prompts
     assert all(24 <= len(r.prompt_ids) <= 64 and r.max_tokens == 128 for r in chat)
+    long = make_requests("long-context", 4)
+    assert all(3000 <= len(r.prompt_ids) <= 4000 and r.max_tokens == 256 for r in long)
     with pytest.raises(ValueError, match="unknown workload"):
         make_requests("nope", 1)
 
