@@ -183,7 +183,14 @@ class Systems:
             gguf = llama.bf16_gguf() if system == "llama-server-bf16" else llama.gguf()
             if gguf is None:
                 raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
-            url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf))
+            # Each slot holds the longest request of the workload (a slot's context is
+            # llama-server's -c divided by its slots).
+            longest = max(
+                len(r.prompt_ids) + r.max_tokens
+                for r in make_requests(self.args.workload, self.args.num_requests, self.args.seed)
+            )
+            per_slot = max(1536, -(-longest // 256) * 256)
+            url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf, per_slot))
             self.runners[system], self.pids[system] = (
                 self._http(url, hf.MODEL, reset_prefix_cache=False, extra={"cache_prompt": False}),
                 pid,
