@@ -120,8 +120,15 @@ def interleaved_order(systems: list[str], num_requests: int) -> list[tuple[int, 
 class Systems:
     """Starts what each system needs once, keeps it up across points, and stops it."""
 
-    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        stack: contextlib.ExitStack,
+        requests: list[BenchRequest],
+    ) -> None:
+        """``requests``: the workload, every point's requests a prefix of it."""
         self.args = args
+        self.requests = requests
         self.stack = stack
         self.runners: dict[str, Runner] = {}
         self.pids: dict[str, int] = {}
@@ -183,14 +190,8 @@ class Systems:
             gguf = llama.bf16_gguf() if system == "llama-server-bf16" else llama.gguf()
             if gguf is None:
                 raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
-            # Each slot holds the longest request of the workload (a slot's context is
-            # llama-server's -c divided by its slots).
-            longest = max(
-                len(r.prompt_ids) + r.max_tokens
-                for r in make_requests(self.args.workload, self.args.num_requests, self.args.seed)
-            )
-            per_slot = max(1536, -(-longest // 256) * 256)
-            url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf, per_slot))
+            longest = max(len(r.prompt_ids) + r.max_tokens for r in self.requests)
+            url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf, longest))
             self.runners[system], self.pids[system] = (
                 self._http(url, hf.MODEL, reset_prefix_cache=False, extra={"cache_prompt": False}),
                 pid,
@@ -246,8 +247,9 @@ class Systems:
         return run
 
 
-def _points(args: argparse.Namespace) -> Iterator[tuple[int, list[BenchRequest]]]:
-    requests = make_requests(args.workload, args.num_requests, args.seed)
+def _points(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> Iterator[tuple[int, list[BenchRequest]]]:
     for c in args.concurrency:
         n = args.requests_at_c1 if c == 1 and args.requests_at_c1 else args.num_requests
         yield c, requests[:n]
@@ -265,10 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     points: list[dict[str, Any]] = []
     peaks: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
-        systems = Systems(args, stack)
+        workload = make_requests(args.workload, args.num_requests, args.seed)
+        systems = Systems(args, stack, workload)
         for system, reason in systems.skipped.items():
             print(f"skipped {system}: {reason}")
-        for c, requests in _points(args):
+        for c, requests in _points(args, workload):
             runs = _run_point(systems, requests, c, peaks)
             for system, (results, wall) in runs.items():
                 summary = summarize(results, wall, slo)

@@ -35,10 +35,13 @@ def bf16_gguf() -> Path | None:
 
 @contextmanager
 def llama_server(
-    slots: int, model: Path | None = None, context_per_slot: int = 1536
+    slots: int, model: Path | None = None, longest_request: int = 0
 ) -> Iterator[tuple[str, int]]:
     """Yields the URL and pid of a llama-server with ``slots`` parallel slots on ``model``
-    (default: the shipped GGUF)."""
+    (default: the shipped GGUF), each slot room for ``longest_request`` tokens (prompt and
+    output; at least 1,536). A slot's context is ``-c`` divided by the slots, and a request
+    past it is refused."""
+    context_per_slot = max(1536, -(-longest_request // 256) * 256)
     exe = binary()
     if exe is None:
         raise FileNotFoundError("llama-server is not built; run `make bench-peers`")

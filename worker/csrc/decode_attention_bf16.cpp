@@ -185,13 +185,13 @@ int64_t part_tokens(int64_t span) {
   return std::max(kPartTokens, (share + kPartTokens - 1) / kPartTokens * kPartTokens);
 }
 
-// Part sums merged, in part order: each rescaled to the largest max.
+// Part sums merged, in part order: each rescaled to the largest max. Fills what
+// store_heads reads, the totals and the values.
 template <int G, int D>
 void merge_parts(const PartSums<G, D>* parts, int64_t count, PartSums<G, D>& merged) {
   for (int h = 0; h < G; ++h) {
     float top = parts[0].top[h];
     for (int64_t i = 1; i < count; ++i) top = std::max(top, parts[i].top[h]);
-    merged.top[h] = top;
     merged.total[h] = 0.f;
     for (int w = 0; w < 2 * D; ++w) merged.values[h][w] = _mm512_setzero_ps();
     for (int64_t i = 0; i < count; ++i) {
