@@ -22,7 +22,8 @@ from common.process import dies_with_this_process
 READY_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 40
 # Workers take a GPU whenever they see one; a stack testing a CPU-only feature (the GGUF
-# kernels) hides it, as a user on a GPU host would.
+# kernels, the shared-memory KV hand-off, tensor parallelism over gloo) hides it, as a
+# user on a GPU host would.
 CPU_WORKERS = {"CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -19,7 +19,7 @@ import pytest
 from common.process import dies_with_this_process
 from common.shm import SHM_DIR
 from tests.dashboard import exported_names, metric_names, split_row_panels
-from tests.stack import TandemStack, free_port
+from tests.stack import CPU_WORKERS, TandemStack, free_port
 
 MODEL = "smollm2-135m-instruct"
 SPLIT = ("--prefill-workers", "1", "--decode-workers", "1")
@@ -52,7 +52,8 @@ def metric_lines(url: str, name: str) -> list[str]:
 @pytest.mark.parametrize("kv_transfer", ["shm", "tcp"])
 def test_operators_see_both_pools_and_the_hand_offs(smollm2_dir: Path, kv_transfer: str) -> None:
     before = segments()
-    with TandemStack(*SPLIT, "--kv-transfer", kv_transfer) as stack:
+    env = CPU_WORKERS if kv_transfer == "shm" else None  # shm maps KV in host memory
+    with TandemStack(*SPLIT, "--kv-transfer", kv_transfer, env=env) as stack:
         names = sorted(
             p.cmdline()[p.cmdline().index("--pool") + 1]
             for p in stack.descendants()
@@ -100,13 +101,13 @@ def test_operators_see_both_pools_and_the_hand_offs(smollm2_dir: Path, kv_transf
 
 def test_a_crashed_service_leaves_segments_that_the_next_start_removes(smollm2_dir: Path) -> None:
     before = segments()
-    stack = TandemStack(*SPLIT).start()
+    stack = TandemStack(*SPLIT, env=CPU_WORKERS).start()  # shm: CPU workers
     (crashed,) = segments() - before
     for p in [*stack.descendants(), psutil.Process(stack.proc.pid)]:  # type: ignore[union-attr]
         p.kill()  # every process at once: nobody cleans up
     time.sleep(1)
     assert crashed in segments()
-    with TandemStack(*SPLIT) as again:
+    with TandemStack(*SPLIT, env=CPU_WORKERS) as again:
         assert crashed not in segments()  # found stale by its unclaimed service file
         complete(again.url, LONG)
     assert segments() == before
@@ -114,7 +115,7 @@ def test_a_crashed_service_leaves_segments_that_the_next_start_removes(smollm2_d
 
 def test_a_prefill_worker_killed_mid_hand_off_fails_requests_cleanly(smollm2_dir: Path) -> None:
     before = segments()
-    stack = TandemStack(*SPLIT, "--grace-period-s", "1").start()
+    stack = TandemStack(*SPLIT, "--grace-period-s", "1", env=CPU_WORKERS).start()
     results: list[httpx.Response | str] = []
 
     def send(i: int) -> None:

@@ -1,7 +1,8 @@
 """SmolLM2 served at tensor-parallel size 2 (two worker processes in a gloo group, 9
 attention heads split 3 + 6 by GQA group): the greedy tokens of size 1 for 8 concurrent
 prompts (float32; ties as ARCHITECTURE.md defines them), and a rank killed mid-generation
-takes the service down cleanly, naming it."""
+takes the service down cleanly, naming it. The ranks run on the CPU on every host: one
+GPU cannot hold two ranks, and tensor parallelism over NCCL is not tested here."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from tests.integration.test_faults import long_stream
 from tests.parity.ties import assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack
+from tests.stack import CPU_WORKERS, TandemStack
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = [
@@ -63,7 +64,7 @@ def rank_of(proc: psutil.Process) -> str | None:
 def two_ranks(smollm2_dir: Path) -> Iterator[TandemStack]:
     """Two ranks, each step planned after the last (the other test schedules ahead)."""
     flags = ("--tensor-parallel-size", "2", "--dtype", "float32", "--no-async-scheduling")
-    with TandemStack(*flags) as stack:
+    with TandemStack(*flags, env=CPU_WORKERS) as stack:
         yield stack
 
 
@@ -90,7 +91,7 @@ def test_two_ranks_with_async_scheduling_serve_the_greedy_tokens_of_one(
     """The next step leaves the engine before rank 0's tokens reach it: rank 1 takes
     them from rank 0 (a broadcast), or its KV would go wrong from the second token."""
     flags = ("--tensor-parallel-size", "2", "--dtype", "float32", "--async-scheduling")
-    with TandemStack(*flags) as stack:
+    with TandemStack(*flags, env=CPU_WORKERS) as stack:
         sharded = asyncio.run(greedy_all(stack.url))
         stats = httpx.get(f"{stack.url}/stats", timeout=10).json()
     whole = asyncio.run(greedy_all(server.url))
@@ -114,7 +115,7 @@ def test_two_ranks_with_async_scheduling_serve_the_greedy_tokens_of_one(
 def test_a_rank_killed_mid_generation_stops_the_service_naming_it(
     smollm2_dir: Path, flags: list[str], named: str
 ) -> None:
-    stack = TandemStack(*flags, "--grace-period-s", "1").start()
+    stack = TandemStack(*flags, "--grace-period-s", "1", env=CPU_WORKERS).start()
     events: list[tuple[float, str]] = []
     thread = threading.Thread(target=long_stream, args=(stack.url, events))
     thread.start()

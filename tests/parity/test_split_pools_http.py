@@ -4,7 +4,9 @@ ARCHITECTURE.md defines them): 16 concurrent requests with prompts of 5 to 750 t
 Gemma's 512-token sliding window), through prefill and decode pools handing KV over
 shared memory and over TCP, with conditional disaggregation on and off. SmolLM2 runs in
 every suite; Gemma-3-270M (sliding-window layers) and the other combinations under
-``slow``."""
+``slow``. Every stack here runs on the CPU, on any host: shm hand-offs and tensor
+parallelism over gloo are CPU features (tests/parity/test_cuda_stacks.py splits pools
+on a GPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from transformers import AutoTokenizer
 
 from common.model_files import resolve_model_dir
 from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack
+from tests.stack import CPU_WORKERS, TandemStack
 
 MAX_TOKENS = 12
 # Long prompts first, so that the shorter ones arrive while the prefill pool is busy. A
@@ -104,7 +106,7 @@ class Reference:
     def __init__(self, model: str) -> None:
         self.model = model
         self.prompts = prompts(model)
-        with TandemStack("--model", model, *BASE) as stack:
+        with TandemStack("--model", model, *BASE, env=CPU_WORKERS) as stack:
             self.outputs = run_all(stack, model, self.prompts)
         assert sum(map(len, self.outputs)) > 8 * len(self.outputs)
         self.logprobs: LogprobsFn = our_logprobs_fn(resolve_model_dir(model))
@@ -150,7 +152,7 @@ def split(
         # gives a thread up (ThreadGovernor). ~30% off each run here; the outputs do not
         # depend on thread counts.
         flags += ["--worker-threads", "2"]
-    with TandemStack(*flags) as stack:
+    with TandemStack(*flags, env=CPU_WORKERS) as stack:
         outputs = run_all(stack, reference.model, reference.prompts)
         # every request ends its hand-off one way or the other before it answers
         stats = stack.stats_when(
