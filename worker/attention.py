@@ -42,10 +42,14 @@ class PrefillChunk:
     def context_end(self) -> int:
         return self.context_start + self.token_end - self.token_start
 
+    def sees_every_earlier_token(self, window: int | None) -> bool:
+        """Whether no window cuts any of the context off: plain causal attention."""
+        return window is None or window >= self.context_end
+
     def sees_whole_prefix(self, window: int | None) -> bool:
         """Whether tokens are cached before this chunk and every one of its queries sees
         all of them (no window cuts any off)."""
-        return self.context_start > 0 and (window is None or window >= self.context_end)
+        return self.context_start > 0 and self.sees_every_earlier_token(window)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[chunk_len, context_len] bool (True = attend); None = plain causal."""
@@ -201,22 +205,35 @@ def paged_attention(
             return decode_out
         out.index_copy_(0, meta.decode_token_indices, decode_out)
     for chunk in meta.prefills:
-        chunk_q = q[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, q, D]
+        chunk_q = q[chunk.token_start : chunk.token_end]  # [q, H, D]
         if chunk.context_start == 0:  # [KVH, L, D]
             keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
             values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
         else:
             keys, values = gather_blocks(kv_cache, chunk.block_ids)
             keys, values = keys[:, : chunk.context_end], values[:, : chunk.context_end]
-        # A leading batch dim of 1: 3-D inputs take a much slower SDPA kernel on CPU.
-        if q.device.type == "cpu" and chunk.sees_whole_prefix(window):
-            chunk_out = _attend_after_prefix(
-                chunk_q[None], keys[None], values[None], chunk.context_start, scale
-            )
-        else:
-            chunk_out = _attend(chunk_q[None], keys[None], values[None], chunk.mask(window), scale)
-        out[chunk.token_start : chunk.token_end] = chunk_out[0].transpose(0, 1)
+        out[chunk.token_start : chunk.token_end] = ops.prefill_attention(
+            chunk_q, keys, values, chunk, scale, window
+        )
     return out
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,  # [q, heads, dim]: one chunk's queries
+    keys: torch.Tensor,  # [kv_heads, context_end, dim]
+    values: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One prefill chunk's attention through PyTorch's SDPA: ``[q, heads, dim]``."""
+    chunk_q = q.transpose(0, 1)[None]  # a leading batch dim of 1: 3-D inputs take a
+    keys, values = keys[None], values[None]  # much slower SDPA kernel on CPU
+    if q.device.type == "cpu" and chunk.sees_whole_prefix(window):
+        chunk_out = _attend_after_prefix(chunk_q, keys, values, chunk.context_start, scale)
+    else:
+        chunk_out = _attend(chunk_q, keys, values, chunk.mask(window), scale)
+    return chunk_out[0].transpose(0, 1)
 
 
 def _attend_after_prefix(

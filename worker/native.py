@@ -45,6 +45,7 @@ SOURCES = [
         "module.cpp",
         "decode_attention.cpp",
         "decode_attention_bf16.cpp",
+        "prefill_attention_bf16.cpp",
         "rms_norm.cpp",
         "elementwise.cpp",
         "gemv.cpp",
@@ -95,6 +96,12 @@ class NativeKernels(Protocol):
         scale: float,
         window: int,
         block_size: int,
+    ) -> torch.Tensor: ...
+
+    def has_bf16_prefill_attention(self) -> bool: ...
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
     ) -> torch.Tensor: ...
 
     def rms_norm(

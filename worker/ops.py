@@ -1,9 +1,10 @@
 """The ops a model step is made of, behind one object chosen once per worker.
 
 ``TorchOps`` runs everything as PyTorch ops (any device); ``NativeOps`` runs Tandem's C++
-CPU kernels (``worker/csrc``, built by ``worker/native.py``) for decode attention, KV
-writes, RoPE, RMSNorm (with the residual add before it) and SwiGLU, falling back to the
-PyTorch code where it has no kernel (e.g. GeGLU). ``pick_ops`` chooses by
+CPU kernels (``worker/csrc``, built by ``worker/native.py``) for decode attention,
+bfloat16 prefill attention (AVX512-BF16 without AMX), KV writes, RoPE, RMSNorm (with the
+residual add before it) and SwiGLU, falling back to the PyTorch code where it has no
+kernel (e.g. GeGLU). ``pick_ops`` chooses by
 ``--attention-backend`` and device; the model is constructed with the result and every
 layer calls it, so the choice lives in one place.
 """
@@ -17,7 +18,12 @@ import torch
 from torch import nn
 
 from common.config import AttentionBackend
-from worker.attention import AttentionMetadata, decode_attention_torch
+from worker.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_attention_torch,
+    prefill_attention_torch,
+)
 from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, Packing
 from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
 from worker.structured import apply_bitmask_torch
@@ -42,6 +48,19 @@ class Ops(Protocol):
         window: int | None,
     ) -> torch.Tensor:
         """One query per decode (``[n, heads, dim]``) over its cached context."""
+        ...
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One prefill chunk's queries ``[q, heads, dim]`` over its context's keys and
+        values ``[kv_heads, context_end, dim]``, causal (and windowed): ``[q, heads, dim]``."""
         ...
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,6 +131,17 @@ class TorchOps:
     ) -> torch.Tensor:
         return decode_attention_torch(q, kv_cache, meta, scale, window)
 
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        return prefill_attention_torch(q, keys, values, chunk, scale, window)
+
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = qk.shape[-1] // 2
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -158,6 +188,10 @@ class NativeOps(TorchOps):
 
     def __init__(self, kernels: NativeKernels) -> None:
         self.kernels = kernels
+        # bfloat16 prefill attention on the GEMM's tiles where the GEMM packs (AVX512-BF16,
+        # no AMX): 4-6x PyTorch's flash kernel on a Zen 5. On AMX hosts that kernel runs
+        # on the tiles (oneDNN's brgemm), not measured against this one, so it stays.
+        self.native_prefill = kernels.has_bf16_prefill_attention() and kernels.bf16_gemm_packs()
 
     def write_kv(
         self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -182,6 +216,24 @@ class NativeOps(TorchOps):
             window or 0,
             meta.block_size,
         )
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        if (
+            self.native_prefill
+            and q.dtype == torch.bfloat16
+            and q.shape[-1] % 32 == 0
+            and chunk.sees_every_earlier_token(window)
+        ):
+            return self.kernels.prefill_attention(q, keys, values, chunk.context_start, scale)
+        return super().prefill_attention(q, keys, values, chunk, scale, window)
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         self.kernels.rotary_(qk, cos, sin, qk.shape[1])
@@ -246,5 +298,7 @@ def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:
     kernels = load_native_kernels() if backend == "native" else try_load_native_kernels()
     if kernels is None:
         return TorchOps()
-    logger.info("native CPU kernels: decode attention, KV writes, RoPE, RMSNorm, SwiGLU")
-    return NativeOps(kernels)
+    ops = NativeOps(kernels)
+    prefill = ", bf16 prefill attention" if ops.native_prefill else ""
+    logger.info("native CPU kernels: decode attention%s, KV writes, RoPE, RMSNorm, SwiGLU", prefill)
+    return ops

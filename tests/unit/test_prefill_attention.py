@@ -1,7 +1,8 @@
 """A prefill chunk's attention over the paged cache against a float64 reference: from the
 first token (one causal call), after cached tokens (on CPU: the cached prefix unmasked and
 the chunk's own tokens causal, two flash calls merged by their log-sum-exps), and with a
-sliding window (one call through the window's mask)."""
+sliding window (one call through the window's mask); through PyTorch's ops and through the
+native ones (bfloat16 chunks without a window on the native kernel where it is built)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import build_metadata, paged_attention
-from worker.ops import TorchOps
+from worker.native import load_native_kernels
+from worker.ops import NativeOps, Ops, TorchOps
 
 BLOCK = 16
 
@@ -32,13 +34,17 @@ def reference(
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), values)
 
 
+OPS: dict[str, Ops] = {"torch": TorchOps(), "native": NativeOps(load_native_kernels())}
+
+
+@pytest.mark.parametrize("ops", sorted(OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("start", "length", "window"),
     [(0, 100, None), (200, 77, None), (200, 1, None), (160, 300, None), (200, 77, 50)],
 )
 def test_chunk_matches_reference(
-    dtype: torch.dtype, start: int, length: int, window: int | None
+    ops: str, dtype: torch.dtype, start: int, length: int, window: int | None
 ) -> None:
     gen = torch.Generator().manual_seed(start + length)
     heads, kv_heads, dim = 9, 3, 64
@@ -54,7 +60,7 @@ def test_chunk_matches_reference(
         cache[1, blocks[pos // BLOCK], :, pos % BLOCK] = v_all[pos]
     meta = build_metadata([blocks], [start], [length], BLOCK, torch.device("cpu"))
     ours = paged_attention(
-        q, k_all[start:], v_all[start:], cache, meta, TorchOps(), dim**-0.5, window
+        q, k_all[start:], v_all[start:], cache, meta, OPS[ops], dim**-0.5, window
     )
     exact = reference(q, k_all, v_all, start, window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2

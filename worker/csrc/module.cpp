@@ -21,6 +21,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv, "x W^T + b for a few bfloat16 rows, streaming W",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("has_amx_linear", &has_amx_linear, "whether amx_linear runs here (AMX-BF16 and leave)");
+  m.def("has_bf16_prefill_attention", &has_bf16_prefill_attention,
+        "whether prefill_attention was built (AVX512-BF16)");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of one bfloat16 prefill chunk after `offset` cached tokens",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"));
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_gemm was built (AVX512-BF16)");
   m.def("bf16_gemm_packs", &bf16_gemm_packs,
         "whether bfloat16 projections past the GEMV's rows go to bf16_gemm (not oneDNN) here");
