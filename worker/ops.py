@@ -230,6 +230,7 @@ class NativeOps(TorchOps):
             self.native_prefill
             and q.dtype == torch.bfloat16
             and q.shape[-1] % 32 == 0
+            and all(t.stride(-1) == 1 for t in (q, keys, values))
             and chunk.sees_every_earlier_token(window)
         ):
             return self.kernels.prefill_attention(q, keys, values, chunk.context_start, scale)
