@@ -42,14 +42,10 @@ class PrefillChunk:
     def context_end(self) -> int:
         return self.context_start + self.token_end - self.token_start
 
-    def sees_every_earlier_token(self, window: int | None) -> bool:
-        """Whether no window cuts any of the context off: plain causal attention."""
-        return window is None or window >= self.context_end
-
     def sees_whole_prefix(self, window: int | None) -> bool:
         """Whether tokens are cached before this chunk and every one of its queries sees
         all of them (no window cuts any off)."""
-        return self.context_start > 0 and self.sees_every_earlier_token(window)
+        return self.context_start > 0 and (window is None or window >= self.context_end)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[chunk_len, context_len] bool (True = attend); None = plain causal."""

@@ -101,7 +101,13 @@ class NativeKernels(Protocol):
     def has_bf16_prefill_attention(self) -> bool: ...
 
     def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        offset: int,
+        scale: float,
+        window: int,
     ) -> torch.Tensor: ...
 
     def rms_norm(

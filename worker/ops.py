@@ -231,9 +231,10 @@ class NativeOps(TorchOps):
             and q.dtype == torch.bfloat16
             and q.shape[-1] % 32 == 0
             and all(t.stride(-1) == 1 for t in (q, keys, values))
-            and chunk.sees_every_earlier_token(window)
         ):
-            return self.kernels.prefill_attention(q, keys, values, chunk.context_start, scale)
+            return self.kernels.prefill_attention(
+                q, keys, values, chunk.context_start, scale, window or 0
+            )
         return super().prefill_attention(q, keys, values, chunk, scale, window)
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The native bfloat16 prefill attention (worker/csrc/prefill_attention_bf16.cpp) against
 a float64 reference: first chunks and chunks after cached tokens, grouped heads, head
-sizes 64 to 256, keys laid out as the step's K (token-major) and as blocks gathered from
+sizes 64 to 256, sliding windows, keys laid out as the step's K (token-major) and as blocks gathered from
 the cache (head-major); a query's result does not depend on the chunk it came in; bad
 input is refused. Without AVX512-BF16 (the CPU, or a portable kernel build) there is no
 kernel, and prefill attention stays on PyTorch's flash kernel."""
@@ -19,13 +19,20 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-    """``q`` [n, H, D] at positions offset.., ``k``/``v`` [KVH, offset + n, D], float64."""
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int = 0
+) -> torch.Tensor:
+    """``q`` [n, H, D] at positions offset.., ``k``/``v`` [KVH, offset + n, D], float64;
+    with a window, the query at t sees keys (t - window, t]."""
     group = q.shape[1] // k.shape[0]
     keys, values = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
     scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) * q.shape[-1] ** -0.5
     query_pos = torch.arange(offset, offset + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[1])[None] > query_pos, float("-inf"))
+    key_pos = torch.arange(k.shape[1])[None]
+    hidden = key_pos > query_pos
+    if window:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ values).transpose(0, 1)
 
 
@@ -44,35 +51,46 @@ def operands(
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("queries", "offset", "heads", "kv_heads", "dim", "token_major"),
+    ("queries", "offset", "heads", "kv_heads", "dim", "token_major", "window"),
     [
-        (1, 0, 9, 3, 64, True),
-        (13, 0, 9, 3, 64, True),
-        (300, 0, 9, 3, 64, True),
-        (77, 200, 9, 3, 64, False),
-        (1, 1000, 9, 3, 64, False),
-        (100, 33, 8, 2, 128, False),
-        (41, 0, 4, 1, 256, True),
-        (29, 3, 4, 4, 128, False),
+        (1, 0, 9, 3, 64, True, 0),
+        (13, 0, 9, 3, 64, True, 0),
+        (300, 0, 9, 3, 64, True, 0),
+        (77, 200, 9, 3, 64, False, 0),
+        (1, 1000, 9, 3, 64, False, 0),
+        (100, 33, 8, 2, 128, False, 0),
+        (41, 0, 4, 1, 256, True, 0),
+        (29, 3, 4, 4, 128, False, 0),
+        (300, 0, 4, 1, 256, True, 100),  # Gemma 3's local layers: a window, head dim 256
+        (77, 500, 9, 3, 64, False, 37),  # the window inside a group of 32 keys
+        (50, 20, 9, 3, 64, False, 64),  # the window reaching back into the prefix
+        (13, 0, 9, 3, 64, True, 1),  # each query sees itself alone
     ],
 )
 def test_matches_reference(
-    queries: int, offset: int, heads: int, kv_heads: int, dim: int, token_major: bool
+    queries: int,
+    offset: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    token_major: bool,
+    window: int,
 ) -> None:
     q, k, v = operands(queries, offset, heads, kv_heads, dim, token_major)
-    ours = kernels.prefill_attention(q, k, v, offset, dim**-0.5)
+    ours = kernels.prefill_attention(q, k, v, offset, dim**-0.5, window)
     assert ours.shape == q.shape and ours.dtype == torch.bfloat16
     # bfloat16 output: one rounding of values below ~4 is at most 2^-7 off
-    assert (ours.double() - reference(q, k, v, offset)).abs().max() < 1.6e-2
+    assert (ours.double() - reference(q, k, v, offset, window)).abs().max() < 1.6e-2
 
 
 @needs_kernel
-def test_a_query_does_not_depend_on_its_chunk() -> None:
+@pytest.mark.parametrize("window", [0, 70])
+def test_a_query_does_not_depend_on_its_chunk(window: int) -> None:
     """Queries 130.. of a 400-token prompt, prefilled whole or as a chunk after 130 cached
     tokens, give the same bits: each row's scores, softmax and sums are its own."""
     q, k, v = operands(400, 0, 9, 3, 64, True)
-    whole = kernels.prefill_attention(q, k, v, 0, 0.125)
-    chunk = kernels.prefill_attention(q[130:], k, v, 130, 0.125)
+    whole = kernels.prefill_attention(q, k, v, 0, 0.125, window)
+    chunk = kernels.prefill_attention(q[130:], k, v, 130, 0.125, window)
     assert torch.equal(whole[130:], chunk)
 
 
@@ -80,13 +98,15 @@ def test_a_query_does_not_depend_on_its_chunk() -> None:
 def test_refuses_what_it_cannot_take() -> None:
     q, k, v = operands(5, 3, 4, 2, 64, False)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.prefill_attention(q.float(), k, v, 3, 0.125)
+        kernels.prefill_attention(q.float(), k, v, 3, 0.125, 0)
     with pytest.raises(RuntimeError, match="offset's and the queries' own"):
-        kernels.prefill_attention(q, k, v, 2, 0.125)
+        kernels.prefill_attention(q, k, v, 2, 0.125, 0)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.prefill_attention(q[..., :48], k[..., :48], v[..., :48], 3, 0.125)
+        kernels.prefill_attention(q[..., :48], k[..., :48], v[..., :48], 3, 0.125, 0)
     with pytest.raises(RuntimeError, match="heads by KV head"):
-        kernels.prefill_attention(q[:, :3], k, v, 3, 0.125)
+        kernels.prefill_attention(q[:, :3], k, v, 3, 0.125, 0)
+    with pytest.raises(RuntimeError, match="window must be 0"):
+        kernels.prefill_attention(q, k, v, 3, 0.125, -1)
 
 
 def test_built_exactly_where_the_cpu_has_avx512_bf16() -> None:

@@ -33,10 +33,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
 // Causal attention of one prefill chunk (prefill_attention_bf16.cpp): q [queries, heads,
-// dim] at positions offset.., k and v [kv_heads, offset + queries, dim], bfloat16.
+// dim] at positions offset.., k and v [kv_heads, offset + queries, dim], bfloat16; a
+// window > 0 lets the query at t see keys (t - window, t] only.
 bool has_bf16_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             int64_t offset, double scale);
+                             int64_t offset, double scale, int64_t window);
 bool has_bf16_gemm();
 bool bf16_gemm_packs();
 at::Tensor bf16_gemm_pack(const at::Tensor& weight);

@@ -24,8 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_prefill_attention", &has_bf16_prefill_attention,
         "whether prefill_attention was built (AVX512-BF16)");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of one bfloat16 prefill chunk after `offset` cached tokens",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"));
+        "causal attention of one bfloat16 prefill chunk after `offset` cached tokens "
+        "(window 0: none)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
+        py::arg("window"));
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_gemm was built (AVX512-BF16)");
   m.def("bf16_gemm_packs", &bf16_gemm_packs,
         "whether bfloat16 projections past the GEMV's rows go to bf16_gemm (not oneDNN) here");

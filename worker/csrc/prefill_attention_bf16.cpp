@@ -42,13 +42,14 @@ namespace {
 using Bits = uint16_t;  // a bfloat16's bits
 
 // One chunk's attention: queries [queries, heads, dim] at positions offset.., keys and
-// values [kv_heads, offset + queries, dim], out [queries, heads, dim] (contiguous).
+// values [kv_heads, offset + queries, dim], out [queries, heads, dim] (contiguous). With a
+// window (> 0), the query at position t sees keys (t - window, t].
 struct PrefillProblem {
   const Bits* q;
   const Bits* k;
   const Bits* v;
   Bits* out;
-  int64_t queries, offset, heads, kv_heads, dim;
+  int64_t queries, offset, heads, kv_heads, dim, window;
   int64_t q_token_stride, q_head_stride, k_head_stride, k_token_stride, v_head_stride,
       v_token_stride;
   float scale;
@@ -122,17 +123,23 @@ struct Scratch {
   std::vector<uint32_t> probs; // R x key pairs: the softmax weights in bfloat16
 };
 
+// The keys the query at `position` sees: [first, end).
+inline int64_t first_key(const PrefillProblem& p, int64_t position) {
+  return p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+}
+
 // One tile: rows [row0, row0 + R) of KV head `h` (row = query * group + head in group).
+// Its scores cover key groups [g0, key_groups): from the group of the first key its first
+// row sees to the group of the last key its last row sees.
 template <int R>
-void tile(const PrefillProblem& p, const Head& head, int64_t h, int64_t row0,
-          Scratch& s) {
+void tile(const PrefillProblem& p, const Head& head, int64_t h, int64_t row0, Scratch& s) {
   const int64_t dim = p.dim, pairs = dim / 2, group = p.heads / p.kv_heads;
-  const int64_t last_query = (row0 + R - 1) / group;
-  const int64_t keys = p.offset + last_query + 1;  // the most any row of the tile sees
-  const int64_t key_groups = (keys + kGroup - 1) / kGroup, stride = key_groups * kGroup;
-  const int64_t key_pairs = (keys + 1) / 2;
+  const int64_t keys = p.offset + (row0 + R - 1) / group + 1;  // the most a row sees
+  const int64_t g0 = first_key(p, p.offset + row0 / group) / kGroup;
+  const int64_t key_groups = (keys + kGroup - 1) / kGroup, width = (key_groups - g0) * kGroup;
+  const int64_t kp0 = g0 * kGroup / 2, key_pairs = (keys + 1) / 2 - kp0;  // from key 2 kp0
   s.q.resize(R * pairs);
-  s.scores.resize(R * stride);
+  s.scores.resize(R * width);
   s.probs.resize(R * key_pairs);
   for (int r = 0; r < R; ++r) {
     const int64_t query = (row0 + r) / group, qh = h * group + (row0 + r) % group;
@@ -141,19 +148,21 @@ void tile(const PrefillProblem& p, const Head& head, int64_t h, int64_t row0,
   }
   __m512 acc[R][2];
   const __m512 scale = _mm512_set1_ps(p.scale);
-  for (int64_t g = 0; g < key_groups; ++g) {
+  for (int64_t g = g0; g < key_groups; ++g) {
     dot_group<R>(s.q.data(), pairs, head.keys + g * pairs * 2, pairs, acc);
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < 2; ++b)
-        _mm512_storeu_ps(s.scores.data() + r * stride + g * kGroup + b * kHalf,
+        _mm512_storeu_ps(s.scores.data() + r * width + (g - g0) * kGroup + b * kHalf,
                          _mm512_mul_ps(acc[r][b], scale));
   }
   float inv_sum[R];
   for (int r = 0; r < R; ++r) {
-    const int64_t seen = p.offset + (row0 + r) / group + 1;  // keys [0, seen)
-    float* row = s.scores.data() + r * stride;
-    inv_sum[r] = 1.f / softmax_numerators(row, seen);
-    std::fill(row + seen, row + 2 * key_pairs, 0.f);
+    const int64_t position = p.offset + (row0 + r) / group;
+    const int64_t first = first_key(p, position) - g0 * kGroup, end = position + 1 - g0 * kGroup;
+    float* row = s.scores.data() + r * width;  // key g0 * kGroup + i at row[i]
+    inv_sum[r] = 1.f / softmax_numerators(row + first, end - first);
+    std::fill(row, row + first, 0.f);  // before the window: weight 0
+    std::fill(row + end, row + 2 * key_pairs, 0.f);
     Bits* out = reinterpret_cast<Bits*>(s.probs.data() + r * key_pairs);
     int64_t t = 0;
     for (; t + kHalf <= 2 * key_pairs; t += kHalf)
@@ -161,7 +170,8 @@ void tile(const PrefillProblem& p, const Head& head, int64_t h, int64_t row0,
     for (; t < 2 * key_pairs; ++t) out[t] = c10::BFloat16(row[t]).x;
   }
   for (int64_t g = 0; g < dim / kGroup; ++g) {
-    dot_group<R>(s.probs.data(), key_pairs, head.values + g * head.key_pairs * 2, key_pairs, acc);
+    const __m512bh* values = head.values + (g * head.key_pairs + kp0) * 2;
+    dot_group<R>(s.probs.data(), key_pairs, values, key_pairs, acc);
     for (int r = 0; r < R; ++r) {
       const int64_t query = (row0 + r) / group, qh = h * group + (row0 + r) % group;
       Bits* out = p.out + (query * p.heads + qh) * dim + g * kGroup;
@@ -234,7 +244,7 @@ void attend(const PrefillProblem& p) {
 bool has_bf16_prefill_attention() { return TANDEM_HAS_BF16_PREFILL != 0; }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             int64_t offset, double scale) {
+                             int64_t offset, double scale, int64_t window) {
   TORCH_CHECK(has_bf16_prefill_attention(), "prefill_attention: this build has no AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "prefill_attention: q [queries, heads, dim], k and v [kv_heads, keys, dim]");
@@ -247,6 +257,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "prefill_attention: heads by KV head");
   TORCH_CHECK(offset >= 0 && k.size(1) == offset + queries,
               "prefill_attention: keys must be the offset's and the queries' own");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be 0 (none) or positive");
   at::Tensor out = at::empty({queries, heads, dim}, q.options());
   if (queries == 0) return out;
   const auto bits = [](const at::Tensor& t) {
@@ -254,7 +265,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   };
   const PrefillProblem p{bits(q), bits(k), bits(v),
                          reinterpret_cast<Bits*>(out.data_ptr<at::BFloat16>()),
-                         queries, offset, heads, kv_heads, dim,
+                         queries, offset, heads, kv_heads, dim, window,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          v.stride(0), v.stride(1), static_cast<float>(scale)};
   attend(p);
