@@ -48,6 +48,11 @@ def start_stream(url: str, key: str, events: list[str], path: str = "/v1/complet
     }
     if path == "/v1/messages":
         body["messages"] = [{"role": "user", "content": "Count to a thousand"}]
+        # The Messages API has no ignore_eos, and a sampled answer may end within a second,
+        # before the test cancels it: a schema of at least 500 numbers keeps it going.
+        numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 500}
+        schema = {"type": "object", "properties": {"n": numbers}, "required": ["n"]}
+        body["output_format"] = {"type": "json_schema", "schema": schema}
     else:
         body["prompt"] = "Count to a thousand:"
     headers = {"Authorization": f"Bearer {key}"}
