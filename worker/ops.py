@@ -4,9 +4,9 @@
 CPU kernels (``worker/csrc``, built by ``worker/native.py``) for decode attention,
 bfloat16 prefill attention (AVX512-BF16 without AMX), KV writes, RoPE, RMSNorm (with the
 residual add before it) and SwiGLU, falling back to the PyTorch code where it has no
-kernel (e.g. GeGLU). ``pick_ops`` chooses by
-``--attention-backend`` and device; the model is constructed with the result and every
-layer calls it, so the choice lives in one place.
+kernel (e.g. GeGLU). ``pick_ops`` chooses by ``--attention-backend`` and device; the
+model is constructed with the result and every layer calls it, so the choice lives in
+one place.
 """
 
 from __future__ import annotations
