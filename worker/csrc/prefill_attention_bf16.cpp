@@ -1,5 +1,6 @@
 // Causal attention of one prefill chunk in bfloat16 on AVX512-BF16 CPUs: the chunk's
-// queries against every key before them (the cached prefix and the chunk's own tokens).
+// queries against every key before them (the cached prefix and the chunk's own tokens),
+// or under a sliding window (Gemma 3's local layers) against the last `window` of them.
 //
 // PyTorch's CPU flash attention computes this at ~150-185 GFLOP/s on a 2-core Zen 5, ~75%
 // of a 3,500-token prompt's prefill, while bf16_gemm's tiles reach ~900 (docs/
@@ -12,8 +13,9 @@
 //
 // A task is a tile of up to 14 rows of one KV head, a row being (query, query head of
 // that KV head's group), ordered query by query. It computes the tile's scores against
-// every key up to its last query's position in float32, takes each row's softmax exactly
-// (max, exp, sum over the keys that row sees; the others weigh 0), rounds the weights to
+// every key up to its last query's position in float32 (from its first query's window
+// start, whole key groups before it skipped), takes each row's softmax exactly (max, exp,
+// sum over the keys that row sees; the others weigh 0), rounds the weights to
 // bfloat16 (as PyTorch's flash kernel does for bfloat16 inputs) and divides the float32
 // weighted sum by the row's sum once. Tasks run longest first from a shared counter:
 // under the causal mask the last queries see the most keys. A row's result depends on its
