@@ -2,8 +2,8 @@
 replaces, on tiny random bfloat16 checkpoints: bit-identical hidden states and KV caches
 for decode steps of 1 to 10 rows, with the kernels this host picks (on AVX512-BF16
 without AMX: the GEMM for every projection), with the small-batch GEMV beside oneDNN (as
-AMX hosts pick), and with oneDNN alone; steps of one or two rows on one raw-row kernel
-(the GEMV or the GEMM) through ``decode_rows``, the others through ``decode_layers``;
+AMX hosts pick), and with oneDNN alone; steps of any rows on the GEMM and of one or two
+on the GEMV through ``decode_rows``, the others through ``decode_layers``;
 chosen exactly for llama-shaped models, never for a prefill step."""
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
     for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
         assert torch.equal(fused_cache, python_cache)
     assert taken[1:] == [len(seqs) for seqs in batches]  # every decode step asked, and taken
-    raw_rows = 2 if uses_gemv or uses_gemm else 0
+    raw_rows = native.decode_rows_max_rows(True) if uses_gemm else 2 if uses_gemv else 0
     assert fused.raw_rows == raw_rows and fused.raw_gemm == uses_gemm
+    assert not uses_gemm or raw_rows > len(everyone)  # the GEMM's: every step on raw rows
     assert calls.rows == [len(seqs) for seqs in batches if len(seqs) <= raw_rows]
     assert calls.layers == [len(seqs) for seqs in batches if len(seqs) > raw_rows]
 
@@ -203,16 +204,23 @@ def call_decode_rows(rows: int, gemm: bool) -> None:
     )
 
 
-def test_decode_rows_refuses_more_rows_than_it_takes() -> None:
-    rows = load_native_kernels().decode_rows_max_rows() + 1
-    with pytest.raises(RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows, got {rows}"):
+def test_decode_rows_refuses_more_rows_than_the_gemv_takes() -> None:
+    rows = load_native_kernels().decode_rows_max_rows(False) + 1
+    with pytest.raises(
+        RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows on the GEMV, got {rows}"
+    ):
         call_decode_rows(rows, gemm=False)
+
+
+def test_decode_rows_takes_any_rows_on_the_gemm() -> None:
+    kernels = load_native_kernels()
+    assert kernels.decode_rows_max_rows(True) == (2**63 - 1 if kernels.has_bf16_gemm() else 0)
 
 
 def test_decode_rows_refuses_plain_weights_for_the_gemm() -> None:
     kernels = load_native_kernels()
-    if kernels.decode_rows_max_rows() == 0:  # no AVX512-BF16: it takes no rows at all
-        with pytest.raises(RuntimeError, match="decode_rows takes 1 to 0 rows"):
+    if kernels.decode_rows_max_rows(True) == 0:  # no AVX512-BF16: it takes no rows at all
+        with pytest.raises(RuntimeError, match="decode_rows takes 1 to 0 rows on the GEMM"):
             call_decode_rows(1, gemm=True)
         return
     with pytest.raises(RuntimeError, match=r"weight 0 must be .*packed by bf16_gemm_pack"):

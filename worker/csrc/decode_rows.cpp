@@ -1,20 +1,24 @@
-// decode_layers for a step of one or two rows: every layer on raw rows, no tensor made inside
-// the loop. The projections run on the GEMV over plain weights, or where bf16_gemm packs
-// (AVX512-BF16, no AMX) on the GEMM over its packed ones: whichever the Python layers'
-// PackedLinear picks for these rows (NativeOps.small_batch_linear).
+// decode_layers on raw rows, no tensor made inside the loop: a step of one or two rows on
+// the GEMV over plain weights, or a step of any rows where bf16_gemm packs (AVX512-BF16, no
+// AMX) on the GEMM over its packed ones: whichever the Python layers' PackedLinear picks
+// for these rows (NativeOps.small_batch_linear).
 //
 // At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
 // between them compute almost nothing; through ATen each of them still made a tensor (or
 // a view) and went through the dispatcher, ~1 ms a SmolLM2 step in all (perf: a tenth of
-// the main thread in ATen and malloc, the other thread waiting for it). Here the same
+// the main thread in ATen and malloc, the other thread waiting for it). The same holds at
+// 8 and 32 rows on the GEMM: 7.6 -> 7.3 ms and 15.2-15.6 -> 14.6-14.9 ms a step in process
+// (docs/benchmarks.md); at 64 rows level. Here the same
 // kernels run on raw pointers into one scratch buffer, in the same order on the same
 // values, so the results are bit-identical to decode_layers' tensor path and to the
 // Python layers (tests/unit/test_decode_stack.py).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -26,15 +30,18 @@ namespace {
 using Bf16 = c10::BFloat16;
 
 
-// out = T(a + b), as at::add rounds a bfloat16 sum: in float32, once.
+// out = T(a + b), as at::add rounds a bfloat16 sum: in float32, once. Split between threads
+// past at::add's grain, as at::add is.
 void add_rows(const Bf16* a, const Bf16* b, Bf16* out, int64_t count) {
-  int64_t j = 0;
+  at::parallel_for(0, count, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    int64_t j = begin;
 #if defined(__AVX512F__)
-  for (; j + tandem::kLanes <= count; j += tandem::kLanes)
-    tandem::store_lanes(out + j,
-                        _mm512_add_ps(tandem::load_lanes(a + j), tandem::load_lanes(b + j)));
+    for (; j + tandem::kLanes <= end; j += tandem::kLanes)
+      tandem::store_lanes(out + j,
+                          _mm512_add_ps(tandem::load_lanes(a + j), tandem::load_lanes(b + j)));
 #endif
-  for (; j < count; ++j) out[j] = Bf16(static_cast<float>(a[j]) + static_cast<float>(b[j]));
+    for (; j < end; ++j) out[j] = Bf16(static_cast<float>(a[j]) + static_cast<float>(b[j]));
+  });
 }
 
 const uint16_t* bits(const Bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -68,7 +75,10 @@ struct Rows {
 
 }  // namespace
 
-int64_t decode_rows_max_rows() { return bf16_gemv_rows_on_every_host(); }
+int64_t decode_rows_max_rows(bool gemm) {
+  if (gemm) return has_bf16_gemm() ? std::numeric_limits<int64_t>::max() : 0;
+  return bf16_gemv_rows_on_every_host();
+}
 
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
@@ -87,8 +97,9 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
               " weights, ", kBiasesPerLayer, " biases, a cache and a window");
   TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
   const int64_t n = x_in.size(0), hidden = x_in.size(1);
-  TORCH_CHECK(n >= 1 && n <= decode_rows_max_rows(), "decode_rows takes 1 to ",
-              decode_rows_max_rows(), " rows, got ", n);
+  TORCH_CHECK(n >= 1 && n <= decode_rows_max_rows(gemm), "decode_rows takes 1 to ",
+              decode_rows_max_rows(gemm), " rows", gemm ? " on the GEMM" : " on the GEMV",
+              ", got ", n);
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   const Projection project{gemm};
   TORCH_CHECK(!project.gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");

@@ -98,11 +98,12 @@ void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>&
 // decode_attention's checks of its metadata: dtypes, shapes, every length and block id in range.
 void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,
                            int64_t n, int64_t num_blocks, int64_t block_size);
-// decode_layers for steps of up to decode_rows_max_rows() rows where every projection runs on
-// one kernel over raw rows (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o,
-// gate_up, down weight, packed by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV;
-// the other arguments are decode_layers'.
-int64_t decode_rows_max_rows();
+// decode_layers for steps of up to decode_rows_max_rows(gemm) rows (any on the GEMM, one or
+// two on the GEMV) where every projection runs on one kernel over raw rows
+// (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed
+// by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; the other arguments are
+// decode_layers'.
+int64_t decode_rows_max_rows(bool gemm);
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,

@@ -48,7 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "a decode step through every layer of a llama-shaped model");
   m.def("decode_rows_max_rows", &decode_rows_max_rows,
-        "the most rows decode_rows takes here (0: no AVX512-BF16, no decode_rows)");
+        "the most rows decode_rows takes here on bf16_gemm (gemm) or the GEMV (0: no "
+        "AVX512-BF16, no decode_rows)",
+        py::arg("gemm"));
   m.def("decode_rows", &decode_rows,
-        "decode_layers for a step of one or two rows on raw rows, on the GEMV or bf16_gemm");
+        "decode_layers on raw rows: any rows on bf16_gemm, one or two on the GEMV");
 }

@@ -8,10 +8,11 @@ projections (the GEMV for the rows it takes where it exists, the matmul of their
 bit-identical to one through the Python layers; ``QuantLinear`` projections of one block type
 (``--quantization gguf``) run as their ``forward`` does. It applies where that holds and
 the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on the
-native kernels. Steps of one or two rows whose projections all run on one raw-row kernel
-(the GEMV over plain weights, or where it packs, the AVX512-BF16 GEMM over its packed
-ones) go to ``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): the same kernels
-on raw rows, with no tensor made per op, which at one row took ~1 ms of a ~10 ms step. Qwen3's q/k
+native kernels. Steps whose projections all run on one raw-row kernel go to
+``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): steps of any rows where the
+AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or two rows
+on the GEMV over plain weights. It runs the same kernels on raw rows, with no tensor made
+per op, which took ~1 ms of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k
 norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
 a prefill keep the Python layers.
 """
@@ -70,10 +71,10 @@ class DecodeStack:
                     self.gguf_types.append(-1)
                     gemv_rows.append(linear.gemv_rows if linear.weight is not None else 0)
             self.biases += [linears[0].bias, linears[1].bias]
-        # The most rows decode_rows takes: where every projection's GEMV takes them too,
-        # or every projection is the GEMM's (which takes any rows).
+        # The most rows decode_rows takes: any where every projection is the GEMM's, else
+        # as many as every projection's GEMV takes too.
         self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
-        raw_limit = ops.kernels.decode_rows_max_rows()
+        raw_limit = ops.kernels.decode_rows_max_rows(self.raw_gemm)
         self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
         raw = self.packed if self.raw_gemm else self.plain
         self.raw_weights = [w for w in raw if w is not None] if self.raw_rows else []
