@@ -1,10 +1,10 @@
 """The fused decode step (every layer in one native call) against the Python layers it
 replaces, on tiny random bfloat16 checkpoints: bit-identical hidden states and KV caches
-for decode steps of 1 to 17 rows (past one GEMM tile of 14), with the kernels this host picks (on AVX512-BF16
-without AMX: the GEMM for every projection), with the small-batch GEMV beside oneDNN (as
-AMX hosts pick), and with oneDNN alone; steps of any rows on the GEMM and of one or two
-on the GEMV through ``decode_rows``, the others through ``decode_layers``;
-chosen exactly for llama-shaped models, never for a prefill step."""
+for decode steps of 1 to 17 rows (past one GEMM tile of 14), with the kernels this host
+picks (on AVX512-BF16 without AMX: the GEMM for every projection), with the small-batch
+GEMV beside oneDNN (as AMX hosts pick), and with oneDNN alone; steps of any rows on the
+GEMM and of one or two on the GEMV through ``decode_rows``, the others through
+``decode_layers``; chosen exactly for llama-shaped models, never for a prefill step."""
 
 from __future__ import annotations
 
