@@ -1,8 +1,8 @@
 """The native bfloat16 prefill attention (worker/csrc/prefill_attention_bf16.cpp) against
 a float64 reference: first chunks and chunks after cached tokens, grouped heads, head
-sizes 64 to 256, sliding windows, keys laid out as the step's K (token-major) and as blocks gathered from
-the cache (head-major); a query's result does not depend on the chunk it came in; bad
-input is refused. Without AVX512-BF16 (the CPU, or a portable kernel build) there is no
+sizes 64 to 256, sliding windows, keys laid out as the step's K (token-major) and as
+blocks gathered from the cache (head-major); a query's result does not depend on the
+chunk it came in; bad input is refused. Without AVX512-BF16 (the CPU, or a portable kernel build) there is no
 kernel, and prefill attention stays on PyTorch's flash kernel."""
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ struct Scratch {
   std::vector<uint32_t> probs; // R x key pairs: the softmax weights in bfloat16
 };
 
-// The keys the query at `position` sees: [first, end).
+// The first key the query at `position` sees (its last is `position` itself).
 inline int64_t first_key(const PrefillProblem& p, int64_t position) {
   return p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
 }
