@@ -54,9 +54,10 @@ def time_rows(
             m(xs[m.in_features])  # type: ignore[index]
 
     def fused(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        # bfloat16 rows as QuantLinear passes them (gguf_bf16_dot.cpp where the CPU has it)
+        # bfloat16 rows as QuantLinear passes them (gguf_bf16_dot.cpp for one or two,
+        # gguf_gemm.cpp past that, where the CPU has them)
         return torch.cat(
-            [m.kernels.gguf_linear(x, s.data, s.type, None) for s in m.segments], 1
+            [m.kernels.gguf_linear(x, s.data, s.type, None, s.gemm) for s in m.segments], 1
         ).to(x.dtype)
 
     def dequantized(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ SOURCES = [
         "decode_rows.cpp",
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
+        "gguf_gemm.cpp",
     )
 ]
 HEADERS = [
@@ -157,10 +158,19 @@ class NativeKernels(Protocol):
     ) -> torch.Tensor: ...
 
     def gguf_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, type: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        type: int,
+        bias: torch.Tensor | None,
+        packed: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def gguf_has_bf16_rows(self, type: int, rows: int) -> bool: ...
+
+    def gguf_gemm_packs(self, type: int) -> bool: ...
+
+    def gguf_gemm_pack(self, weight: torch.Tensor, type: int, in_features: int) -> torch.Tensor: ...
 
     def decode_layers(
         self,

@@ -13,7 +13,8 @@
 // a few rows, else none; the packed one: oneDNN's, or bf16_gemm's where
 // packings[4 l + i] is kBf16GemmPacking), biases[2 l + i] (qkv's, o's). With
 // --quantization gguf a projection is a QuantLinear instead: gguf_types[4 l + i] is its
-// ggml type (-1 for a PackedLinear), plain[4 l + i] its blocks, packed[4 l + i] unused.
+// ggml type (-1 for a PackedLinear), plain[4 l + i] its blocks, packed[4 l + i] its quants
+// as gguf_gemm_pack repacked them (empty where it has none).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -49,15 +50,17 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
   return onednn_linear(x, packed, bias);
 }
 
-// QuantLinear.forward (one segment of blocks): up to fused_max_rows rows (bfloat16 as they
-// are, else float32) on the fused dequantize-and-dot kernel, else a dense matmul over the
-// weight dequantized.
-at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                           const std::optional<at::Tensor>& bias, int64_t fused_max_rows) {
+// QuantLinear.forward (one segment of blocks, and its quants repacked for many bfloat16
+// rows where gemm holds any): up to fused_max_rows rows (bfloat16 as they are, else
+// float32) on the fused dequantize-and-dot kernels, else a dense matmul over the weight
+// dequantized.
+at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& gemm,
+                           int64_t type, const std::optional<at::Tensor>& bias,
+                           int64_t fused_max_rows) {
   if (x.size(0) <= fused_max_rows) {
     const at::Tensor rows =
         x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-    return gguf_linear(rows, blocks, type, bias).to(x.scalar_type());
+    return gguf_linear(rows, blocks, type, bias, gemm).to(x.scalar_type());
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());
@@ -75,7 +78,7 @@ struct Projections {
 
   at::Tensor operator()(size_t i, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
     if (gguf_types[i] >= 0)
-      return gguf_projection(x, *plain[i], gguf_types[i], bias, gguf_fused_max_rows);
+      return gguf_projection(x, *plain[i], packed[i], gguf_types[i], bias, gguf_fused_max_rows);
     return linear(x, plain[i], packed[i], packings[i], bias);
   }
 };

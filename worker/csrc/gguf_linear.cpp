@@ -186,7 +186,8 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.device().is_cpu() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.is_contiguous(),
@@ -200,6 +201,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
   }
   if (x.scalar_type() == at::kBFloat16) {
     if (gguf_has_bf16_rows(type, M)) return gguf_linear_bf16_rows(x, weight, type, b);
+    if (packed.has_value() && packed->numel() > 0) return gguf_gemm(x, *packed, type, N, b);
     return gguf_linear(x.to(at::kFloat), weight, type, bias);
   }
   at::Tensor out = at::empty({M, N}, x.options());

@@ -46,12 +46,19 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,
                            bool bfloat16);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                       const std::optional<at::Tensor>& bias);
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& packed = std::nullopt);
 // The bfloat16-row path of gguf_linear (gguf_bf16_dot.cpp): whether this build takes that
 // many rows of a ggml type there, and the product (float32 [rows, out]) where it does.
 bool gguf_has_bf16_rows(int64_t type, int64_t rows);
 at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                                  const float* bias);
+// The many-bfloat16-row path of gguf_linear (gguf_gemm.cpp): whether this build repacks a
+// ggml type's quants for it, the repacked weight, and the product (float32 [rows, out]).
+bool gguf_gemm_packs(int64_t type);
+at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_features);
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                     int64_t out_features, const float* bias);
 // decode_layers' and decode_rows' per-layer argument layout: norms[2 l + i], the
 // projections [4 l + i], biases[2 l + i].
 constexpr size_t kNormsPerLayer = 2;    // input, post-attention

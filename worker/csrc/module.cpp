@@ -39,8 +39,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),
         py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);
   m.def("gguf_linear", &gguf_linear,
-        "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks; float32 out", py::arg("x"),
-        py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
+        "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks (and, for bfloat16 rows "
+        "past gguf_has_bf16_rows', as gguf_gemm_pack repacked them); float32 out",
+        py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none(),
+        py::arg("packed") = py::none());
+  m.def("gguf_gemm_packs", &gguf_gemm_packs,
+        "whether this build repacks this GGUF type for bfloat16 rows past gguf_has_bf16_rows' "
+        "(AVX512-BF16, 32-weight formats)",
+        py::arg("type"));
+  m.def("gguf_gemm_pack", &gguf_gemm_pack,
+        "GGUF blocks [out, row_bytes] repacked for gguf_linear's bfloat16 GEMM",
+        py::arg("weight"), py::arg("type"), py::arg("in_features"));
   m.def("gguf_has_bf16_rows", &gguf_has_bf16_rows,
         "whether gguf_linear dots this many bfloat16 rows with this type's quants as they are "
         "(AVX512-BF16, Q4/Q5 formats, 1-2 rows) rather than converting them to float32",

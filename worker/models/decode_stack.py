@@ -60,7 +60,7 @@ class DecodeStack:
                 if isinstance(linear, QuantLinear):
                     (segment,) = linear.segments
                     self.plain.append(segment.data)
-                    self.packed.append(unused)
+                    self.packed.append(unused if segment.gemm is None else segment.gemm)
                     self.packings.append(ONEDNN_CODE)  # unused
                     self.gguf_types.append(segment.type)
                     gemv_rows.append(0)

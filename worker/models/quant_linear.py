@@ -33,10 +33,13 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 
 @dataclass(frozen=True)
 class _Segment:
-    """Consecutive output rows of one block type."""
+    """Consecutive output rows of one block type: the file's blocks, and for a bfloat16
+    model where the kernels have one, the same quants repacked for many rows
+    (``gguf_gemm_pack``)."""
 
     type: int
     data: torch.Tensor
+    gemm: torch.Tensor | None = None
 
 
 class QuantLinear(nn.Module):
@@ -46,7 +49,11 @@ class QuantLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, parts: list[GgufWeight], bias: torch.Tensor | None, kernels: NativeKernels
+        self,
+        parts: list[GgufWeight],
+        bias: torch.Tensor | None,
+        kernels: NativeKernels,
+        bfloat16_rows: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = parts[0].in_features
@@ -60,6 +67,13 @@ class QuantLinear(nn.Module):
                 segments.append(_Segment(part.type, torch.cat([last.data, part.data])))
             else:
                 segments.append(_Segment(part.type, part.data))
+        if bfloat16_rows:  # the decode steps' rows: past two, the GEMM over repacked quants
+            segments = [
+                _Segment(s.type, s.data, kernels.gguf_gemm_pack(s.data, s.type, self.in_features))
+                if kernels.gguf_gemm_packs(s.type)
+                else s
+                for s in segments
+            ]
         self.segments = segments
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
@@ -68,10 +82,11 @@ class QuantLinear(nn.Module):
     def block_tensors(self) -> list[torch.Tensor]:
         """The tensors holding the weight's blocks (``worker.huge_pages`` moves them in
         place)."""
-        return [s.data for s in self.segments]
+        return [t for s in self.segments for t in (s.data, s.gemm) if t is not None]
 
     @property
     def nbytes(self) -> int:
+        """The file's blocks (a batch-1 step reads them once; the repacked copy is apart)."""
         return sum(s.data.numel() for s in self.segments)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -92,9 +107,12 @@ class QuantLinear(nn.Module):
             rows = (flat if flat.dtype == torch.bfloat16 else flat.float()).contiguous()
             if len(self.segments) == 1:  # as decode_stack.cpp's gguf_projection does
                 (s,) = self.segments
-                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias)
+                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias, s.gemm)
             else:
-                outs = [self.kernels.gguf_linear(rows, s.data, s.type, None) for s in self.segments]
+                outs = [
+                    self.kernels.gguf_linear(rows, s.data, s.type, None, s.gemm)
+                    for s in self.segments
+                ]
                 out = torch.cat(outs, dim=1)
                 if self.bias is not None:
                     out += self.bias
@@ -137,6 +155,7 @@ def quantize_linears(
                     f"[{out_features}, {weights[0].in_features}] weight, but {name} is "
                     f"{list(child.weight.shape)}"
                 )
-            setattr(parent, child_name, QuantLinear(weights, child.bias, kernels))
+            bfloat16_rows = child.weight.dtype == torch.bfloat16
+            setattr(parent, child_name, QuantLinear(weights, child.bias, kernels, bfloat16_rows))
             counts.update(w.type_name for w in weights)
     return counts
