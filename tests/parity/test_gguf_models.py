@@ -10,15 +10,17 @@ from collections import Counter
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_files import gguf_source, resolve_model_dir
 from tests.parity.test_real_models_http import PROMPTS
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.base import CausalLM
+from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.quant_linear import QuantLinear
+from worker.models.quant_linear import FUSED_MAX_ROWS, GEMM_MAX_ROWS, QuantLinear
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -91,7 +93,10 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical() -> None:
     model = quantized(name, torch.bfloat16)
     assert isinstance(model, DecoderLM)
     fused = model.fused_decode
-    assert fused is not None
+    assert isinstance(fused, DecodeStack)
+    # Every SmolLM2 projection is Q4_1 or Q8_0: repacked for the GEMM where the CPU has one.
+    gemm = load_native_kernels().gguf_gemm_packs(int(GGMLQuantizationType.Q4_1))
+    assert fused.gguf_fused_max_rows == (GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS)
     taken: list[int] = []
     takes = fused.takes
 

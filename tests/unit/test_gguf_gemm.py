@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from tests.cpu import cpu_has
 from tests.unit.test_gguf_linear import random_blocks, reference
 from worker.models.gguf_weights import GgufWeight
-from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
+from worker.models.quant_linear import FUSED_MAX_ROWS, GEMM_MAX_ROWS, QuantLinear
 from worker.native import NativeKernels, kernel_arch, load_native_kernels
 
 BLOCK_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -100,7 +100,7 @@ def test_quant_linear_of_a_bfloat16_model_repacks_and_its_paths_agree(
     kernels: NativeKernels,
 ) -> None:
     """A fused projection of Q4_1 and Q8_0 parts (SmolLM2's types): each segment holds a
-    repacked copy; 1-2 rows, 3-32 rows (the GEMM) and prefill rows (the dense matmul over
+    repacked copy; 1-2 rows, 3 to GEMM_MAX_ROWS (the GEMM) and more (the dense matmul over
     the weight dequantized) agree within bfloat16's roundings."""
     parts = [
         GgufWeight(f"w{i}", int(q), q.name, torch.from_numpy(random_blocks(q, n, 256, i)), 256)
@@ -109,12 +109,15 @@ def test_quant_linear_of_a_bfloat16_model_repacks_and_its_paths_agree(
     layer = QuantLinear(parts, None, kernels, bfloat16_rows=True)
     assert all(s.gemm is not None for s in layer.segments)
     assert len(layer.block_tensors()) == 4  # the blocks and their repacked copies
-    assert all(s.gemm is None for s in QuantLinear(parts, None, kernels).segments)
+    assert layer.fused_max_rows == GEMM_MAX_ROWS
+    float32_layer = QuantLinear(parts, None, kernels)
+    assert all(s.gemm is None for s in float32_layer.segments)
+    assert float32_layer.fused_max_rows == FUSED_MAX_ROWS
     weight = layer.dequantized().double()
-    x = torch.randn(FUSED_MAX_ROWS + 8, 256).to(torch.bfloat16)
+    x = torch.randn(GEMM_MAX_ROWS + 8, 256).to(torch.bfloat16)
     expected = x.double() @ weight.T
     bound = (x.double().abs() @ weight.abs().T) * 2e-2  # the bfloat16 output's rounding
-    for rows in (x[:2], x[:FUSED_MAX_ROWS], x):
+    for rows in (x[:2], x[:FUSED_MAX_ROWS], x[:GEMM_MAX_ROWS], x):
         out = layer(rows)
         assert out.dtype == torch.bfloat16
         assert ((out.double() - expected[: len(rows)]).abs() <= bound[: len(rows)]).all()

@@ -46,6 +46,7 @@ class DecodeStack:
         self.gguf_types: list[int] = []  # per projection: its ggml type, -1 if not GGUF
         self.biases: list[torch.Tensor | None] = []
         gemv_rows: list[int] = []  # per projection: the rows its GEMV takes (0: none)
+        fused_max_rows: list[int] = []  # per QuantLinear: the most rows it fuses
         unused = torch.empty(0)
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
@@ -59,6 +60,7 @@ class DecodeStack:
             for linear in linears:
                 if isinstance(linear, QuantLinear):
                     (segment,) = linear.segments
+                    fused_max_rows.append(linear.fused_max_rows)
                     self.plain.append(segment.data)
                     self.packed.append(unused if segment.gemm is None else segment.gemm)
                     self.packings.append(ONEDNN_CODE)  # unused
@@ -71,6 +73,8 @@ class DecodeStack:
                     self.gguf_types.append(-1)
                     gemv_rows.append(linear.gemv_rows if linear.weight is not None else 0)
             self.biases += [linears[0].bias, linears[1].bias]
+        # decode_layers takes one limit: the fewest rows any projection fuses.
+        self.gguf_fused_max_rows = min(fused_max_rows, default=FUSED_MAX_ROWS)
         # The most rows decode_rows takes: any where every projection is the GEMM's, else
         # as many as every projection's GEMV takes too.
         self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
@@ -152,7 +156,7 @@ class DecodeStack:
             self.packings,
             self.biases,
             self.gguf_types,
-            FUSED_MAX_ROWS,
+            self.gguf_fused_max_rows,
             *step,
         )
 

@@ -2,11 +2,13 @@
 puts them in a loaded model in place of its projections.
 
 The weights stay in the file's blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, ...), so a decode
-step reads ~3x fewer bytes than in bfloat16. Up to ``FUSED_MAX_ROWS`` rows (decode
-steps) go to the native ``gguf_linear``: each weight row dequantized in cache and dotted
-with every input row in float32. Larger batches (prefill chunks) dequantize the whole
-weight for the call and run one dense matmul in the activations' dtype, where the
-matmul's cost dwarfs the dequantization. Dequantization is exact (bit for bit
+step reads ~3x fewer bytes than in bfloat16. Up to ``fused_max_rows`` rows (decode
+steps) go to the native ``gguf_linear``: one or two bfloat16 rows dotted with the blocks
+as they are, more with the quants repacked for a GEMM (a bfloat16 model, the 32-weight
+formats), else each weight row dequantized in cache and dotted with every input row in
+float32. Larger batches (prefill chunks) dequantize the whole weight for the call and run
+one dense matmul in the activations' dtype, where the matmul's cost dwarfs the
+dequantization. Dequantization is exact (bit for bit
 gguf-py's, which transformers loads GGUF files with), so float32 parity holds.
 """
 
@@ -25,8 +27,12 @@ from worker.native import NativeKernels
 logger = logging.getLogger(__name__)
 
 # Past this many rows one dense matmul over the dequantized weight is faster
-# (python -m bench.gguf_linear).
+# (python -m bench.gguf_linear): for float32 rows, and where the quants have no GEMM copy.
 FUSED_MAX_ROWS = 32
+# The same for bfloat16 rows over repacked quants (gguf_gemm.cpp): on a Zen 5 the GEMM took
+# 28-33 / 56-60 ms over SmolLM2's projections at 64 / 128 rows against the matmul's 46-47 /
+# 61-65, and lost at 256 (118-137 against 96-100), in two runs.
+GEMM_MAX_ROWS = 128
 # Our fused projections and the checkpoint projections they are made of, in order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -75,6 +81,8 @@ class QuantLinear(nn.Module):
                 for s in segments
             ]
         self.segments = segments
+        gemm = bfloat16_rows and all(s.gemm is not None for s in segments)
+        self.fused_max_rows = GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
@@ -101,7 +109,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= FUSED_MAX_ROWS:
+        if flat.shape[0] <= self.fused_max_rows:
             # bfloat16 rows as they are (their products with the quants are exact), else
             # float32: as decode_stack.cpp's gguf_projection passes them.
             rows = (flat if flat.dtype == torch.bfloat16 else flat.float()).contiguous()
