@@ -3,7 +3,7 @@
 // formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) repacked once, at load, into bf16_gemm's layout.
 //
 // Past two rows gguf_linear.cpp dequantizes each block to float32 and dots it with float32
-// rows: two float FMAs per 32 products, ~2.5x a bfloat16 step's time at 32 rows. Here, as
+// rows: two float FMAs per 32 products, ~2.4x a bfloat16 step's time at 32 rows. Here, as
 // in bf16_gemm.cpp, a vector holds 16 outputs x 2 inputs and VDPBF16PS takes a broadcast
 // pair of x's bfloat16 inputs: 32 products an instruction. A quant is a small integer, so
 // its bfloat16 is exact and so is every product (gguf_bf16_dot.cpp's argument); each lane
@@ -13,16 +13,19 @@
 // of the call, so a row's result never depends on the others.
 //
 // The packed weight, per group of 32 outputs (zeros past out_features), per block of 32
-// inputs: the quants as int8 [16 K pairs][2 vectors][16 outputs][2 inputs], then the 32
-// scales as float32, then the 32 mins where the format has them. A group is read as one
-// ascending stream. A block's quants are widened to bfloat16 once into an L1 buffer and
+// inputs: the quants [16 K pairs][2 vectors][16 outputs][2 inputs] (a nibble each for the
+// 4-bit formats, an int8 for the others: 0.75 or 1.25 bytes a weight with the scales), then
+// the 32 scales as float32, then the 32 mins where the format has them. A group is read as
+// one ascending stream. A block's quants are widened to bfloat16 once into an L1 buffer and
 // used by every row of the call, in tiles of up to kTileRows rows whose block sums stay in
 // registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_formats.h"
@@ -41,7 +44,6 @@ using namespace tandem::gguf;
 constexpr int64_t kGroup = 32;         // outputs per group: two vectors of 16
 constexpr int64_t kBlockWeights = 32;  // inputs per block
 constexpr int64_t kPairs = kBlockWeights / 2;
-constexpr int64_t kQuantBytes = kPairs * kGroup * 2;  // a group's block of int8 quants
 constexpr int kTileRows = 12;  // 24 block sums in registers, beside 2 weights and x
 // How many blocks ahead of the widening to prefetch: of 2, 3, 4 and 6, 4 ran SmolLM2's
 // projections fastest from 3 to 32 rows (32 rows: 16.6 ms without, 12.3 with).
@@ -52,21 +54,54 @@ constexpr bool packs() {
   return F::kWeights == kBlockWeights;
 }
 
-// Bytes of one group's block: quants, scales (and mins).
+// The 4-bit formats keep a quant in a nibble (the low one input 0 of its pair, the high
+// one input 1), the others in a byte (int8: 5- and 8-bit quants).
+template <typename F>
+constexpr bool nibbles() {
+  return std::is_same_v<F, Q4<false>> || std::is_same_v<F, Q4<true>>;
+}
+
+// Bytes of one vector's 32 quants (16 outputs x 2 inputs).
+template <typename F>
+constexpr int64_t vector_bytes() {
+  return nibbles<F>() ? 16 : 32;
+}
+
+// Bytes of one group's block of quants, then of the whole block with scales (and mins).
+template <typename F>
+constexpr int64_t quant_bytes() {
+  return 2 * kPairs * vector_bytes<F>();
+}
 template <typename F>
 constexpr int64_t block_bytes() {
-  return kQuantBytes + kGroup * 4 * (F::kHasOffset ? 2 : 1);
+  return quant_bytes<F>() + kGroup * 4 * (F::kHasOffset ? 2 : 1);
 }
 
 int64_t groups_of(int64_t out_features) { return (out_features + kGroup - 1) / kGroup; }
 
 #if TANDEM_HAS_GGUF_GEMM
-// 32 int8 quants -> 32 exact bfloat16 (through float32: every int8 is exact there too).
-inline __m512bh widen(const int8_t* q) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first
+// A vector's 32 quants -> 32 exact bfloat16. Bytes: through float32 (every int8 is exact
+// there too). Nibbles: byte i | byte i << 12 puts its low nibble in the low bits of word
+// 2 i and its high nibble in those of word 2 i + 1, and VPERMW looks the value up (it
+// reads 5 bits of an index: the table is written twice, so the fifth does not matter).
+template <typename F>
+inline __m512bh widen(const uint8_t* q) {
+  if constexpr (nibbles<F>()) {
+    static constexpr auto kValue = [](int i) { return F::kHasOffset ? i % 16 : i % 16 - 8; };
+    alignas(64) static const auto kTable = [] {
+      std::array<c10::BFloat16, 32> t{};
+      for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>(kValue(i)));
+      return t;
+    }();
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i index = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+    return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_load_si512(kTable.data()));
+  } else {
+    const auto* p = reinterpret_cast<const __m128i*>(q);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first
+  }
 }
 
 // acc[r][v] += scale[v] * (block . x[r]) (+ min[v] * xsum[r]) for the R rows of one tile:
@@ -126,9 +161,8 @@ void group_rows(const uint8_t* group, const uint32_t* x, int64_t rows, int64_t p
     for (int64_t line = 0; line < block_bytes<F>(); line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBlocks * block_bytes<F>() + line,
                    _MM_HINT_T0);
-    const auto* q = reinterpret_cast<const int8_t*>(block);
-    for (int64_t v = 0; v < 2 * kPairs; ++v) w[v] = widen(q + 32 * v);
-    const auto* scales = reinterpret_cast<const float*>(block + kQuantBytes);
+    for (int64_t v = 0; v < 2 * kPairs; ++v) w[v] = widen<F>(block + v * vector_bytes<F>());
+    const auto* scales = reinterpret_cast<const float*>(block + quant_bytes<F>());
     for (int64_t t = 0, r = 0; t < tiles; r += base + (t < longer), ++t)
       tile_rows<F::kHasOffset>(static_cast<int>(base + (t < longer)), w, x + r * pairs + b * kPairs,
                                pairs, scales, xsum == nullptr ? nullptr : xsum + r * blocks + b,
@@ -169,10 +203,17 @@ at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_fea
               _mm512_store_ps(q + 16, hi);
               uint8_t* block = dst + (g * blocks + b) * block_bytes<F>();
               const int64_t v = o / 16, lane = o % 16;
-              for (int64_t j = 0; j < kBlockWeights; ++j)  // pair j / 2, input j % 2
-                reinterpret_cast<int8_t*>(block)[((j / 2 * 2 + v) * 16 + lane) * 2 + j % 2] =
-                    static_cast<int8_t>(q[j]);
-              auto* scales = reinterpret_cast<float*>(block + kQuantBytes);
+              for (int64_t j = 0; j < kBlockWeights; ++j) {  // pair j / 2, input j % 2
+                uint8_t* vector = block + (j / 2 * 2 + v) * vector_bytes<F>();
+                const int quant = static_cast<int>(q[j]);
+                if constexpr (nibbles<F>()) {  // the table's index: Q4_0's quant plus its 8
+                  const int index = F::kHasOffset ? quant : quant + 8;
+                  vector[lane] |= static_cast<uint8_t>(index << (4 * (j % 2)));
+                } else {
+                  reinterpret_cast<int8_t*>(vector)[lane * 2 + j % 2] = static_cast<int8_t>(quant);
+                }
+              }
+              auto* scales = reinterpret_cast<float*>(block + quant_bytes<F>());
               scales[o] = F::scale(in);
               if constexpr (F::kHasOffset) scales[kGroup + o] = F::offset(in);
             }
