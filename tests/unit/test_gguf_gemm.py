@@ -132,3 +132,16 @@ def test_a_packed_weight_of_another_shape_is_refused(kernels: NativeKernels) -> 
         kernels.gguf_linear(x, blocks, int(Q.Q4_0), None, gemm)  # Q4_0's blocks are smaller
     with pytest.raises(RuntimeError, match="no kernel for type"):
         kernels.gguf_gemm_pack(torch.from_numpy(random_blocks(Q.Q6_K, 4, 256)), int(Q.Q6_K), 256)
+
+
+@needs_gemm
+@pytest.mark.parametrize("qtype", BLOCK_32, ids=lambda q: q.name)
+def test_one_or_two_rows_keep_the_blocks_as_they_ship(kernels: NativeKernels, qtype: Q) -> None:
+    """The repacked copy is for three rows on: fewer read fewer bytes from the file's
+    blocks (Q8_0's too, on the float32 path), so their results are those without it."""
+    blocks = torch.from_numpy(random_blocks(qtype, 64, 256, seed=11))
+    gemm = packed(kernels, qtype, blocks, 256)
+    for rows in (1, 2):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        with_copy = kernels.gguf_linear(x, blocks, int(qtype), None, gemm)
+        assert torch.equal(with_copy, kernels.gguf_linear(x, blocks, int(qtype), None))
