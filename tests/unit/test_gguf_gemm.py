@@ -136,12 +136,16 @@ def test_a_packed_weight_of_another_shape_is_refused(kernels: NativeKernels) -> 
 
 @needs_gemm
 @pytest.mark.parametrize("qtype", BLOCK_32, ids=lambda q: q.name)
-def test_one_or_two_rows_keep_the_blocks_as_they_ship(kernels: NativeKernels, qtype: Q) -> None:
-    """The repacked copy is for three rows on: fewer read fewer bytes from the file's
-    blocks (Q8_0's too, on the float32 path), so their results are those without it."""
+def test_fewer_rows_keep_the_blocks_as_they_ship(kernels: NativeKernels, qtype: Q) -> None:
+    """The repacked copy is for two rows on (Q4_0/1, a nibble a quant) or three (a byte a
+    quant, more than the blocks hold): fewer read the file's blocks, so their results
+    are those without it, and from there on they are the GEMM's."""
+    first = 2 if qtype in (Q.Q4_0, Q.Q4_1) else 3
+    assert kernels.gguf_gemm_min_rows(int(qtype)) == first
     blocks = torch.from_numpy(random_blocks(qtype, 64, 256, seed=11))
     gemm = packed(kernels, qtype, blocks, 256)
-    for rows in (1, 2):
+    for rows in range(1, first + 1):
         x = torch.randn(rows, 256).to(torch.bfloat16)
         with_copy = kernels.gguf_linear(x, blocks, int(qtype), None, gemm)
-        assert torch.equal(with_copy, kernels.gguf_linear(x, blocks, int(qtype), None))
+        without = kernels.gguf_linear(x, blocks, int(qtype), None)
+        assert torch.equal(with_copy, without) == (rows < first), rows

@@ -1,4 +1,4 @@
-// GGUF projections for many bfloat16 rows (a bfloat16 model's decode steps of 3 or more)
+// GGUF projections for many bfloat16 rows (a bfloat16 model's decode steps of 2 or 3 on)
 // on AVX512-BF16 CPUs: y = x W^T (+ b), float32 out, with the quants of the 32-weight
 // formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) repacked once, at load, into bf16_gemm's layout.
 //
@@ -177,6 +177,17 @@ bool gguf_gemm_packs(int64_t type) {
   bool supported = false;
   with_format(type, [&](auto format) { supported = packs<decltype(format)>(); });
   return TANDEM_HAS_GGUF_GEMM != 0 && supported;
+}
+
+// Fewer rows read the file's blocks as they ship (gguf_linear): one row reads fewer bytes
+// there, and SmolLM2's Q4_1 projections took as long either way (3.65-3.81 against
+// 3.72-3.80 ms); at two they took 3.67-4.05 ms here against 4.83-5.05 on
+// gguf_bf16_dot.cpp. The byte-a-quant copy reads more than the blocks: Q8_0's LM head at
+// two rows took 0.60 ms here against 0.52 on the float32 path, so those start at three.
+int64_t gguf_gemm_min_rows(int64_t type) {
+  int64_t rows = 3;
+  with_format(type, [&](auto format) { rows = nibbles<decltype(format)>() ? 2 : 3; });
+  return rows;
 }
 
 at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_features) {

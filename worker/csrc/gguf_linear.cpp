@@ -40,11 +40,6 @@ constexpr int64_t kPrefetchBytes = 8192;
 // decode). Past it, dequantizing a block once for all the rows costs less.
 constexpr int kFactoredRows = 2;
 
-// Bfloat16 rows from this many on take gguf_gemm.cpp where the quants were repacked for
-// it. Fewer read fewer bytes from the blocks as they ship, even Q8_0's on the float32 path
-// here (SmolLM2's LM head: 0.39 against 0.48 ms at one row, 0.52 against 0.60 at two).
-constexpr int64_t kGemmMinRows = 3;
-
 template <typename F>
 constexpr bool factored(int T) {
   return F::kWeights == 32 && T <= kFactoredRows;
@@ -205,9 +200,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
     b = bias->data_ptr<float>();
   }
   if (x.scalar_type() == at::kBFloat16) {
-    if (gguf_has_bf16_rows(type, M)) return gguf_linear_bf16_rows(x, weight, type, b);
-    if (packed.has_value() && packed->numel() > 0 && M >= kGemmMinRows)
+    if (packed.has_value() && packed->numel() > 0 && M >= gguf_gemm_min_rows(type))
       return gguf_gemm(x, *packed, type, N, b);
+    if (gguf_has_bf16_rows(type, M)) return gguf_linear_bf16_rows(x, weight, type, b);
     return gguf_linear(x.to(at::kFloat), weight, type, bias);
   }
   at::Tensor out = at::empty({M, N}, x.options());

@@ -56,6 +56,7 @@ at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, 
 // The many-bfloat16-row path of gguf_linear (gguf_gemm.cpp): whether this build repacks a
 // ggml type's quants for it, the repacked weight, and the product (float32 [rows, out]).
 bool gguf_gemm_packs(int64_t type);
+int64_t gguf_gemm_min_rows(int64_t type);  // gguf_linear takes the GEMM from this many rows
 at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_features);
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                      int64_t out_features, const float* bias);

@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build repacks this GGUF type for bfloat16 rows past gguf_has_bf16_rows' "
         "(AVX512-BF16, 32-weight formats)",
         py::arg("type"));
+  m.def("gguf_gemm_min_rows", &gguf_gemm_min_rows,
+        "the fewest bfloat16 rows gguf_linear runs on a repacked copy of this type's quants",
+        py::arg("type"));
   m.def("gguf_gemm_pack", &gguf_gemm_pack,
         "GGUF blocks [out, row_bytes] repacked for gguf_linear's bfloat16 GEMM",
         py::arg("weight"), py::arg("type"), py::arg("in_features"));
