@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 # (python -m bench.gguf_linear): for float32 rows, and where the quants have no GEMM copy.
 FUSED_MAX_ROWS = 32
 # The same for bfloat16 rows over repacked quants (gguf_gemm.cpp): on a Zen 5, over
-# SmolLM2's projections in three runs, the GEMM took 26-33 ms at 64 rows against the
-# matmul's 33-47, 55-60 at 128 against 50-65 (ahead in two runs of three), and lost at 256
-# (113-137 against 85-100). Up to 128 it also keeps the weights exact, not rounded.
+# SmolLM2's projections in four runs, the GEMM took 26-33 ms at 64 rows against the
+# matmul's 33-47; at 128 55-60 against 50-65, ahead in two runs and behind in two, where
+# it keeps the weights exact (not rounded to bfloat16) for the same time; it lost at 256
+# (113-137 against 85-100).
 GEMM_MAX_ROWS = 128
 # Our fused projections and the checkpoint projections they are made of, in order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
