@@ -15,6 +15,8 @@
 // path) costs less than looking its quants up again per row. Q8_0 (a byte a quant: two
 // lookups and two products per weight) measured slower here than the float32 path, so it
 // takes that path, as do the K-quants and CPUs without AVX512-BF16 (the caller converts x).
+// Where the quants were also repacked for gguf_gemm.cpp (a bfloat16 model), that GEMM
+// takes Q4_0/1 from two rows and the others from three (gguf_gemm_min_rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
