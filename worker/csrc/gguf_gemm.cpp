@@ -243,6 +243,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
               "gguf_gemm: x is a contiguous CPU bfloat16 [rows, in] tensor");
   const int64_t rows = x.size(0), in = x.size(1);
   at::Tensor y = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  if (rows == 0) return y;  // no tiles to split the rows into
 #if TANDEM_HAS_GGUF_GEMM
   with_format(type, [&](auto format) {
     using F = decltype(format);

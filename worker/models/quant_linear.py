@@ -3,13 +3,13 @@ puts them in a loaded model in place of its projections.
 
 The weights stay in the file's blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, ...), so a decode
 step reads ~3x fewer bytes than in bfloat16. Up to ``fused_max_rows`` rows (decode
-steps) go to the native ``gguf_linear``: one or two bfloat16 rows dotted with the blocks
-as they are, more with the quants repacked for a GEMM (a bfloat16 model, the 32-weight
+steps) go to the native ``gguf_linear``: a bfloat16 row or two dotted with the blocks as
+they are, more with the quants repacked for a GEMM (a bfloat16 model, the 32-weight
 formats), else each weight row dequantized in cache and dotted with every input row in
 float32. Larger batches (prefill chunks) dequantize the whole weight for the call and run
 one dense matmul in the activations' dtype, where the matmul's cost dwarfs the
-dequantization. Dequantization is exact (bit for bit
-gguf-py's, which transformers loads GGUF files with), so float32 parity holds.
+dequantization. Dequantization is exact (bit for bit gguf-py's, which transformers loads
+GGUF files with), so float32 parity holds.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class QuantLinear(nn.Module):
                 segments.append(_Segment(part.type, torch.cat([last.data, part.data])))
             else:
                 segments.append(_Segment(part.type, part.data))
-        if bfloat16_rows:  # the decode steps' rows: past two, the GEMM over repacked quants
+        if bfloat16_rows:  # decode steps from gguf_gemm_min_rows: the GEMM over a copy
             segments = [
                 _Segment(s.type, s.data, kernels.gguf_gemm_pack(s.data, s.type, self.in_features))
                 if kernels.gguf_gemm_packs(s.type)
