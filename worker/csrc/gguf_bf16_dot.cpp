@@ -51,24 +51,6 @@ constexpr int64_t kOutputsPerTask = 16;  // at::parallel_for grain, in output ro
 // Prefetch distance: of 1, 4 and 8 KiB, 4 read SmolLM2's Q4_1 rows fastest.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// The bfloat16 bits of a small integer (|v| < 256, so exact).
-constexpr uint16_t bf16_of(int v) {
-  if (v == 0) return 0;
-  const int a = v < 0 ? -v : v;
-  int e = 0;
-  while ((a >> (e + 1)) != 0) ++e;
-  const int mantissa = (a << (7 - e)) & 0x7F;
-  return static_cast<uint16_t>((v < 0 ? 0x8000 : 0) | ((127 + e) << 7) | mantissa);
-}
-
-// The lookup table of N entries: entry i is the bfloat16 of value(i).
-template <int N, typename Value>
-constexpr std::array<uint16_t, N> table(Value value) {
-  std::array<uint16_t, N> out{};
-  for (int i = 0; i < N; ++i) out[i] = bf16_of(value(i));
-  return out;
-}
-
 template <size_t N>
 inline __m256i load_table(const std::array<uint16_t, N>& t, size_t first = 0) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.data() + first));
@@ -92,7 +74,7 @@ inline void dot16(__m256 s[T], __m256i quants, const uint16_t* const x[T], int64
 template <bool kHasMin>
 struct Bf16Dot<Q4<kHasMin>> {
   static constexpr bool kSupported = true;
-  static constexpr auto kTable = table<16>([](int i) { return kHasMin ? i : i - 8; });
+  static constexpr auto kTable = bf16_table<16>([](int i) { return kHasMin ? i : i - 8; });
   template <int T>
   static inline void dot(const uint8_t* b, const uint16_t* const x[T], int64_t at, __m256 s[T]) {
     const __m256i lut = load_table(kTable);
@@ -108,7 +90,7 @@ struct Bf16Dot<Q4<kHasMin>> {
 template <bool kHasMin>
 struct Bf16Dot<Q5<kHasMin>> {
   static constexpr bool kSupported = true;
-  static constexpr auto kTable = table<32>([](int i) { return kHasMin ? i : i - 16; });
+  static constexpr auto kTable = bf16_table<32>([](int i) { return kHasMin ? i : i - 16; });
   template <int T>
   static inline void dot(const uint8_t* b, const uint16_t* const x[T], int64_t at, __m256 s[T]) {
     const __m256i lut_lo = load_table(kTable), lut_hi = load_table(kTable, 16);
@@ -172,15 +154,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const float* bia
   const int64_t blocks = checked_blocks<F>("gguf_linear", weight, K);
   const auto* bits = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<float> xsum;
-  if constexpr (F::kHasOffset) {
-    xsum.resize(M * blocks);
-    for (size_t i = 0; i < xsum.size(); ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < F::kWeights; ++j)
-        sum += static_cast<float>(c10::BFloat16(bits[i * F::kWeights + j], c10::BFloat16::from_bits()));
-      xsum[i] = sum;
-    }
-  }
+  if constexpr (F::kHasOffset) xsum = bf16_block_sums(bits, M * blocks, F::kWeights);
   const Rows in{bits, xsum.empty() ? nullptr : xsum.data(), K, blocks};
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.size(1);

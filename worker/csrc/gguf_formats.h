@@ -6,8 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -29,6 +31,37 @@ inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The bfloat16 bits of a small integer (|v| < 256, so exact).
+constexpr uint16_t bf16_of(int v) {
+  if (v == 0) return 0;
+  const int a = v < 0 ? -v : v;
+  int e = 0;
+  while ((a >> (e + 1)) != 0) ++e;
+  const int mantissa = (a << (7 - e)) & 0x7F;
+  return static_cast<uint16_t>((v < 0 ? 0x8000 : 0) | ((127 + e) << 7) | mantissa);
+}
+
+// A lookup table of N bfloat16 bits for VPERMW: entry i is the bfloat16 of value(i).
+template <int N, typename Value>
+constexpr std::array<uint16_t, N> bf16_table(Value value) {
+  std::array<uint16_t, N> out{};
+  for (int i = 0; i < N; ++i) out[i] = bf16_of(value(i));
+  return out;
+}
+
+// Each block's sum of bfloat16 rows x (count blocks of `weights` values, one after
+// another), in float32 in order: the term a format's min multiplies.
+inline std::vector<float> bf16_block_sums(const uint16_t* x, int64_t count, int64_t weights) {
+  std::vector<float> sums(count);
+  for (int64_t i = 0; i < count; ++i) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < weights; ++j)
+      sum += static_cast<float>(c10::BFloat16(x[i * weights + j], c10::BFloat16::from_bits()));
+    sums[i] = sum;
+  }
+  return sums;
 }
 
 // --- the block formats ------------------------------------------------------------------

@@ -23,7 +23,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -87,12 +86,8 @@ int64_t groups_of(int64_t out_features) { return (out_features + kGroup - 1) / k
 template <typename F>
 inline __m512bh widen(const uint8_t* q) {
   if constexpr (nibbles<F>()) {
-    static constexpr auto kValue = [](int i) { return F::kHasOffset ? i % 16 : i % 16 - 8; };
-    alignas(64) static const auto kTable = [] {
-      std::array<c10::BFloat16, 32> t{};
-      for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>(kValue(i)));
-      return t;
-    }();
+    alignas(64) static constexpr auto kTable =
+        bf16_table<32>([](int i) { return F::kHasOffset ? i % 16 : i % 16 - 8; });
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     const __m512i index = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
     return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_load_si512(kTable.data()));
@@ -256,16 +251,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
                   "gguf_gemm: the packed weight does not hold [", out_features, ", ", in, "]");
       const auto* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
       std::vector<float> xsum;  // each row's sum of x over each block, for the mins
-      if constexpr (F::kHasOffset) {
-        xsum.resize(rows * blocks);
-        for (size_t i = 0; i < xsum.size(); ++i) {
-          float sum = 0.0f;
-          for (int64_t j = 0; j < kBlockWeights; ++j)
-            sum += static_cast<float>(c10::BFloat16(bits[i * kBlockWeights + j],
-                                                    c10::BFloat16::from_bits()));
-          xsum[i] = sum;
-        }
-      }
+      if constexpr (F::kHasOffset) xsum = bf16_block_sums(bits, rows * blocks, kBlockWeights);
       const auto* xs = reinterpret_cast<const uint32_t*>(bits);
       const uint8_t* w = packed.data_ptr<uint8_t>();
       float* out = y.data_ptr<float>();
