@@ -1,14 +1,16 @@
 """``python -m bench.gguf_linear``: one step's projections held as the GGUF ships them
-(``--quantization gguf``) against bfloat16 (the GEMV up to 4 rows, oneDNN past it),
-beside the weight-bandwidth floor of each.
+(``--quantization gguf``) against bfloat16 (the kernels its ``PackedLinear`` picks), beside
+the weight-bandwidth floor of each.
 
 The model is loaded twice, as the worker loads it (bfloat16, native kernels): once with
 ``--quantization gguf`` and once without, and every projection a step runs (fused
 q/k/v, o, fused gate/up, down per layer, then the LM head) is timed over real weights,
 one pass reading them all from memory as a decode step does. Quantized projections are
-timed both ways the layer can run them: the fused dequantize-and-dot kernel and a dense
-matmul over the weight dequantized for the call. The kinds alternate pass by pass; each
-cell is the median. It decides ``FUSED_MAX_ROWS`` (``worker/models/quant_linear.py``).
+timed both ways the layer can run them: the fused kernels (the file's blocks, or from
+``gguf_gemm_min_rows`` the GEMM over their repacked copy) and a dense matmul over the
+weight dequantized for the call. The kinds alternate pass by pass; each cell is the
+median. It decides ``FUSED_MAX_ROWS`` and ``GEMM_MAX_ROWS``
+(``worker/models/quant_linear.py``).
 Writes ``bench/results/gguf_linear-MODEL.json``.
 
     .venv/bin/python -m bench.gguf_linear [--rows 1 4 8 16 32 64] [--passes 9]
@@ -54,8 +56,8 @@ def time_rows(
             m(xs[m.in_features])  # type: ignore[index]
 
     def fused(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        # bfloat16 rows as QuantLinear passes them (gguf_bf16_dot.cpp for one or two,
-        # gguf_gemm.cpp past that, where the CPU has them)
+        # bfloat16 rows as QuantLinear passes them (the file's blocks below
+        # gguf_gemm_min_rows, gguf_gemm.cpp from there, where the CPU has it)
         return torch.cat(
             [m.kernels.gguf_linear(x, s.data, s.type, None, s.gemm) for s in m.segments], 1
         ).to(x.dtype)

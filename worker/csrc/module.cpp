@@ -40,11 +40,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);
   m.def("gguf_linear", &gguf_linear,
         "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks (and, for bfloat16 rows "
-        "past gguf_has_bf16_rows', as gguf_gemm_pack repacked them); float32 out",
+        "from gguf_gemm_min_rows, as gguf_gemm_pack repacked them); float32 out",
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none(),
         py::arg("packed") = py::none());
   m.def("gguf_gemm_packs", &gguf_gemm_packs,
-        "whether this build repacks this GGUF type for bfloat16 rows past gguf_has_bf16_rows' "
+        "whether this build repacks this GGUF type for bfloat16 rows from gguf_gemm_min_rows "
         "(AVX512-BF16, 32-weight formats)",
         py::arg("type"));
   m.def("gguf_gemm_min_rows", &gguf_gemm_min_rows,
