@@ -63,6 +63,7 @@ HEADERS = [
     CSRC / "kernels.h",
     CSRC / "gguf_formats.h",
     CSRC / "attention_problem.h",
+    CSRC / "parallel.h",
 ]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
 # The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on

@@ -34,6 +34,7 @@
 #include <optional>
 
 #include "kernels.h"
+#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -53,8 +54,6 @@ int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
 int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / kBlock; }
 
 #if TANDEM_HAS_BF16_GEMM
-constexpr int64_t kGroupsPerTask = 1;   // at::parallel_for grain, in groups
-
 // A bfloat16 is a float's top half: 16 of them widened to floats (masked lanes zero).
 inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
@@ -187,22 +186,20 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
   const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
   const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
-  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first_block = g * kGroupBlocks;
-      const int64_t group = std::min(kGroupBlocks, blocks - first_block);
-      const __m512bh* wg = w + first_block * pairs;
-      const int64_t out0 = first_block * kBlock;
-      // The next group's weights, fetched into L2 while this one's first tile runs (a
-      // full group's worth: the last group may be shorter, so only a full next one).
-      const bool full_next = g + 1 < end && blocks - first_block >= 2 * kGroupBlocks;
-      const __m512bh* next = full_next ? wg + kGroupBlocks * pairs : nullptr;
-      static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
-      if (group == 2)
-        group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
-      else
-        group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
-    }
+  tandem::parallel_steal(groups, [&](int64_t g, int64_t following) {
+    const int64_t first_block = g * kGroupBlocks;
+    const int64_t group = std::min(kGroupBlocks, blocks - first_block);
+    const __m512bh* wg = w + first_block * pairs;
+    const int64_t out0 = first_block * kBlock;
+    // The thread's next group's weights, fetched into L2 while this one's first tile runs
+    // (only a full group: the last one may be shorter).
+    const bool full_next = following >= 0 && blocks - following * kGroupBlocks >= kGroupBlocks;
+    const __m512bh* next = full_next ? w + following * kGroupBlocks * pairs : nullptr;
+    static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
+    if (group == 2)
+      group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
+    else
+      group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
   });
 #else
   (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features;

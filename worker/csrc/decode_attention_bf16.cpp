@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "attention_problem.h"
+#include "parallel.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__)
@@ -227,27 +228,27 @@ void attend_all(const Problem<Bf16>& p) {
     for (int64_t k = 0; k < p.n * p.kv_heads; ++k) done[k].store(0, std::memory_order_relaxed);
   }
   PartSums<G, D>* const kept = buffer.data();  // the caller's, not each thread's own
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // The sequences' contexts differ, so equal shares of tasks are not equal shares of work:
+  // a thread that finishes first takes the other's last tasks.
+  tandem::parallel_steal(tasks, [&](int64_t task, int64_t) {
+    static thread_local std::vector<float> scores;
     PartSums<G, D> merged;
-    int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first_task[seq + 1]) ++seq;
-      const int64_t local = task - first_task[seq], g = local / parts[seq], i = local % parts[seq];
-      const int64_t first = p.first(seq);
-      if (parts[seq] == 1) {
-        attend_part<G, D>(p, seq, g, first, p.lens[seq], scores, merged);
-        store_heads<G, D>(p, seq, g, merged);
-        continue;
-      }
-      const int64_t begin_t = first + i * part_len[seq];
-      attend_part<G, D>(p, seq, g, begin_t, std::min(p.lens[seq], begin_t + part_len[seq]),
-                        scores, kept[task]);
-      if (done[seq * p.kv_heads + g].fetch_add(1, std::memory_order_acq_rel) + 1 < parts[seq])
-        continue;
-      merge_parts<G, D>(kept + first_task[seq] + g * parts[seq], parts[seq], merged);
+    const int64_t seq =
+        std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    const int64_t local = task - first_task[seq], g = local / parts[seq], i = local % parts[seq];
+    const int64_t first = p.first(seq);
+    if (parts[seq] == 1) {
+      attend_part<G, D>(p, seq, g, first, p.lens[seq], scores, merged);
       store_heads<G, D>(p, seq, g, merged);
+      return;
     }
+    const int64_t begin_t = first + i * part_len[seq];
+    attend_part<G, D>(p, seq, g, begin_t, std::min(p.lens[seq], begin_t + part_len[seq]),
+                      scores, kept[task]);
+    if (done[seq * p.kv_heads + g].fetch_add(1, std::memory_order_acq_rel) + 1 < parts[seq])
+      return;
+    merge_parts<G, D>(kept + first_task[seq] + g * parts[seq], parts[seq], merged);
+    store_heads<G, D>(p, seq, g, merged);
   });
 }
 #endif
