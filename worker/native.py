@@ -56,6 +56,7 @@ SOURCES = [
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
         "gguf_gemm.cpp",
+        "parallel_trace.cpp",
     )
 ]
 HEADERS = [
@@ -223,6 +224,8 @@ class NativeKernels(Protocol):
         eps: float,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def parallel_steal_trace(self, costs_us: torch.Tensor) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> str:

@@ -29,6 +29,7 @@
 
 #include "gguf_formats.h"
 #include "kernels.h"
+#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TANDEM_HAS_GGUF_GEMM 1
@@ -255,18 +256,18 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
       const auto* xs = reinterpret_cast<const uint32_t*>(bits);
       const uint8_t* w = packed.data_ptr<uint8_t>();
       float* out = y.data_ptr<float>();
-      at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> acc(rows * kGroup);
-        for (int64_t g = begin; g < end; ++g) {
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          group_rows<F>(w + g * packed.size(1), xs, rows, in / 2,
-                        xsum.empty() ? nullptr : xsum.data(), blocks, acc.data());
-          const int64_t first = g * kGroup, valid = std::min(kGroup, out_features - first);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t o = 0; o < valid; ++o)
-              out[r * out_features + first + o] =
-                  acc[r * kGroup + o] + (bias != nullptr ? bias[first + o] : 0.0f);
-        }
+      // As bf16_gemm's groups: a thread that loses its core leaves its last groups to
+      // the other (tandem::parallel_steal).
+      tandem::parallel_steal(groups, [&](int64_t g, int64_t) {
+        static thread_local std::vector<float> acc;
+        acc.assign(rows * kGroup, 0.0f);
+        group_rows<F>(w + g * packed.size(1), xs, rows, in / 2,
+                      xsum.empty() ? nullptr : xsum.data(), blocks, acc.data());
+        const int64_t first = g * kGroup, valid = std::min(kGroup, out_features - first);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t o = 0; o < valid; ++o)
+            out[r * out_features + first + o] =
+                acc[r * kGroup + o] + (bias != nullptr ? bias[first + o] : 0.0f);
       });
     }
   });

@@ -121,3 +121,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps,
                        double scale);
+
+// tandem::parallel_steal over tasks that wait costs_us[i] microseconds each: per task, how
+// many times it ran and the thread that ran it (tests only).
+at::Tensor parallel_steal_trace(const at::Tensor& costs_us);
