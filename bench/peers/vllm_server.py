@@ -84,10 +84,12 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
+    pids = {proc.pid}
     try:
         wait_healthy(url, proc, "vLLM", 600)  # ~75 s here, most of it torch.compile
         yield url, proc.pid
     finally:
+        pids |= {p.pid for p in process_tree(proc.pid)}
         resume(proc.pid)
         with _suppress_gone():
             os.killpg(proc.pid, signal.SIGTERM)
@@ -97,6 +99,23 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
             with _suppress_gone():
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        remove_openmp_registrations(pids)
+
+
+def remove_openmp_registrations(pids: set[int], shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Removes what intel-openmp (the libiomp5 vLLM preloads) registered in ``shm`` for
+    these processes once each has ended; returns the files removed. libiomp5 deletes its
+    ``__KMP_REGISTERED_LIB_<pid>_<uid>`` file when a process exits normally, but vLLM's
+    engine and workers end on a signal and leave one each, run after run."""
+    removed = []
+    for pid in pids:
+        if psutil.pid_exists(pid):
+            continue  # still running (or the pid already reused): not ours to remove
+        for path in shm.glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def pause(pid: int) -> None:

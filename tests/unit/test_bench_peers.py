@@ -55,3 +55,22 @@ def test_peers_not_built_are_reported_missing(
         openvino_peer.run([[1, 2]], 4, [1])
     with pytest.raises(FileNotFoundError, match="make bench-peers"), vllm_server.vllm_server(4):
         pass
+
+
+def test_openmp_registrations_of_ended_processes_are_removed(tmp_path: Path) -> None:
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    alive = psutil.Process().pid
+    for name in (
+        f"__KMP_REGISTERED_LIB_{ended.pid}_0",
+        f"__KMP_REGISTERED_LIB_{alive}_0",
+        f"__KMP_REGISTERED_LIB_{ended.pid}1_0",  # another pid that starts with the same digits
+        "libpod_lock",
+    ):
+        (tmp_path / name).write_bytes(b"x")
+    removed = vllm_server.remove_openmp_registrations({ended.pid, alive}, shm=tmp_path)
+    assert removed == [tmp_path / f"__KMP_REGISTERED_LIB_{ended.pid}_0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"__KMP_REGISTERED_LIB_{alive}_0", f"__KMP_REGISTERED_LIB_{ended.pid}1_0", "libpod_lock"]
+    )
+    assert vllm_server.remove_openmp_registrations({ended.pid}, shm=tmp_path) == []
