@@ -210,6 +210,8 @@ class NativeKernels(Protocol):
         projections: list[torch.Tensor],
         gemm: bool,
         biases: list[torch.Tensor | None],
+        gguf_types: list[int],
+        gguf_packed: list[torch.Tensor],
         kv_caches: list[torch.Tensor],
         windows: list[int],
         slots: torch.Tensor,

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_files import gguf_source, resolve_model_dir
+from tests.counted_kernels import CountedKernels
 from tests.parity.test_real_models_http import PROMPTS
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.base import CausalLM
@@ -88,15 +89,24 @@ def test_float32_logits_match_transformers_on_the_same_gguf(name: str) -> None:
         logits = batch.step(starts)  # a decode step of every sequence
 
 
-def test_bf16_fused_decode_step_over_blocks_is_bit_identical() -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_bf16_fused_decode_step_over_blocks_is_bit_identical(rows: int) -> None:
+    """1 row: the bfloat16 dot over the blocks; 2 to 4: the GEMM where this CPU has one;
+    on AVX512-BF16 hosts every step through decode_rows' raw rows."""
     name = "smollm2-135m-instruct"
     model = quantized(name, torch.bfloat16)
     assert isinstance(model, DecoderLM)
     fused = model.fused_decode
     assert isinstance(fused, DecodeStack)
     # Every SmolLM2 projection is Q4_1 or Q8_0: repacked for the GEMM where the CPU has one.
-    gemm = load_native_kernels().gguf_gemm_packs(int(GGMLQuantizationType.Q4_1))
+    kernels = load_native_kernels()
+    gemm = kernels.gguf_gemm_packs(int(GGMLQuantizationType.Q4_1))
     assert fused.gguf_fused_max_rows == (GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS)
+    # The layers' projections are all Q4_1 and have no bias: decode_rows takes the steps
+    # where it takes any.
+    raw = kernels.decode_rows_max_rows(False) > 0
+    assert fused.raw_gguf and not fused.raw_gemm
+    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
     taken: list[int] = []
     takes = fused.takes
 
@@ -105,8 +115,11 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical() -> None:
         return takes(meta, num_tokens)
 
     fused.takes = counted  # type: ignore[method-assign]
+    calls = CountedKernels(fused.kernels)
+    fused.kernels = calls  # type: ignore[assignment]
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(name)))
-    prompts = [tok(text).input_ids for text in PROMPTS[name]]
+    prompts = [tok(text).input_ids for text in PROMPTS[name]][:rows]
+    assert len(prompts) == rows
     sides = {side: Batch(model, prompts, torch.bfloat16) for side in ("fused", "python")}
     for batch in sides.values():
         model.fused_decode = None  # a prefill never takes the fused step anyway
@@ -122,4 +135,6 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical() -> None:
         assert torch.equal(out["fused"], out["python"]), f"decode step {step}"
     for a, b in zip(sides["fused"].caches, sides["python"].caches, strict=True):
         assert torch.equal(a, b)
-    assert taken == [len(prompts)] * DECODE_STEPS  # the fused side's decode steps, all taken
+    assert taken == [rows] * DECODE_STEPS  # the fused side's decode steps, all taken
+    assert calls.rows == ([rows] * DECODE_STEPS if raw else [])
+    assert calls.layers == ([] if raw else [rows] * DECODE_STEPS)

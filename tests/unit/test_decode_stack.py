@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.counted_kernels import CountedKernels
 from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
 from tests.parity.families import VOCAB, build
 from worker.attention import AttentionMetadata, build_metadata
@@ -157,25 +158,9 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
     assert calls.layers == [len(seqs) for seqs in batches if len(seqs) > raw_rows]
 
 
-class CountedKernels:
-    """The native kernels, counting the rows of each fused step by the entry it took."""
-
-    def __init__(self, kernels: object) -> None:
-        self._kernels = kernels
-        self.rows: list[int] = []
-        self.layers: list[int] = []
-
-    def decode_rows(self, x: torch.Tensor, *args: object) -> torch.Tensor:
-        self.rows.append(x.shape[0])
-        return self._kernels.decode_rows(x, *args)  # type: ignore[attr-defined]
-
-    def decode_layers(self, x: torch.Tensor, *args: object) -> torch.Tensor:
-        self.layers.append(x.shape[0])
-        return self._kernels.decode_layers(x, *args)  # type: ignore[attr-defined]
-
-
-def call_decode_rows(rows: int, gemm: bool) -> None:
-    """decode_rows on one zero layer of width 8 (plain weights) and ``rows`` rows."""
+def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None) -> None:
+    """decode_rows on one zero layer of width 8 (plain weights) and ``rows`` rows; with
+    ``gguf_types``, as if those weights were GGUF blocks."""
     kernels = load_native_kernels()
     x = torch.zeros(rows, 8, dtype=torch.bfloat16)
     w = torch.zeros(8, 8, dtype=torch.bfloat16)
@@ -188,6 +173,8 @@ def call_decode_rows(rows: int, gemm: bool) -> None:
         [w] * 4,
         gemm,
         [None, None],
+        gguf_types or [],
+        [torch.empty(0, dtype=torch.uint8)] * len(gguf_types or []),
         [cache],
         [0],
         slots,
@@ -225,3 +212,15 @@ def test_decode_rows_refuses_plain_weights_for_the_gemm() -> None:
         return
     with pytest.raises(RuntimeError, match=r"weight 0 must be .*packed by bf16_gemm_pack"):
         call_decode_rows(1, gemm=True)
+
+
+def test_decode_rows_refuses_gguf_projections_with_the_gemm_or_without_a_type_each() -> None:
+    with pytest.raises(RuntimeError, match="GGUF projections take a type and a repacked weight"):
+        call_decode_rows(1, gemm=True, gguf_types=[3] * 4)
+    with pytest.raises(RuntimeError, match="GGUF projections take a type and a repacked weight"):
+        call_decode_rows(1, gemm=False, gguf_types=[3] * 3)
+    # bfloat16 weights are not GGUF blocks (a build without the raw-row kernels refuses first)
+    no_gemv = not load_native_kernels().has_bf16_gemv()
+    refusal = "this build has no GEMV" if no_gemv else "GGUF weight 0 must be contiguous uint8"
+    with pytest.raises(RuntimeError, match=refusal):
+        call_decode_rows(1, gemm=False, gguf_types=[3] * 4)

@@ -1,7 +1,10 @@
-// decode_layers on raw rows, no tensor made inside the loop: a step of one or two rows on
-// the GEMV over plain weights, or a step of any rows where bf16_gemm packs (AVX512-BF16, no
-// AMX) on the GEMM over its packed ones: whichever the Python layers' PackedLinear picks
-// for these rows (NativeOps.small_batch_linear).
+// decode_layers on raw rows, no tensor made inside the loop but GGUF projections' own: a
+// step of one or two rows on the GEMV over plain weights, a step of any rows where bf16_gemm
+// packs (AVX512-BF16, no AMX) on the GEMM over its packed ones (whichever the Python
+// layers' PackedLinear picks for these rows, NativeOps.small_batch_linear), or a step of
+// --quantization gguf's projections on gguf_linear, up to the rows every QuantLinear fuses
+// (the caller's limit): gguf_linear's float32 product is rounded to bfloat16 here, as
+// QuantLinear.forward's .to() rounds it.
 //
 // At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
 // between them compute almost nothing; through ATen each of them still made a tensor (or
@@ -55,6 +58,14 @@ struct LayerWeights {
   const Bf16* bias[kBiasesPerLayer];
 };
 
+// One projection's GGUF weight: its blocks, its type and the quants gguf_gemm_pack
+// repacked (an empty tensor where it has none).
+struct GgufWeight {
+  const at::Tensor* blocks;
+  const at::Tensor* packed;
+  int64_t type;
+};
+
 // y = x W^T (+ b) for n rows, on the kernel for the weights' layout.
 struct Projection {
   bool gemm;  // bf16_gemm_pack's layout, on bf16_gemm; else the plain [out, in] one, on the GEMV
@@ -65,6 +76,21 @@ struct Projection {
       bf16_gemm_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
     else
       bf16_gemv_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
+  }
+
+  // QuantLinear.forward for n bfloat16 rows (no bias): gguf_linear's product, rounded.
+  void operator()(const Bf16* x, const GgufWeight& w, Bf16* y, int64_t n, int64_t out,
+                  int64_t in) const {
+    const at::Tensor rows = at::from_blob(const_cast<Bf16*>(x), {n, in}, at::kBFloat16);
+    const at::Tensor product = gguf_linear(rows, *w.blocks, w.type, std::nullopt, *w.packed);
+    const float* p = product.data_ptr<float>();
+    const int64_t count = n * out;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + tandem::kLanes <= count; j += tandem::kLanes)
+      tandem::store_lanes(y + j, _mm512_loadu_ps(p + j));
+#endif
+    for (; j < count; ++j) y[j] = Bf16(p[j]);
   }
 };
 
@@ -83,6 +109,8 @@ int64_t decode_rows_max_rows(bool gemm) {
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
+                       const std::vector<int64_t>& gguf_types,
+                       const std::vector<at::Tensor>& gguf_packed,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
@@ -97,12 +125,19 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
               " weights, ", kBiasesPerLayer, " biases, a cache and a window");
   TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
   const int64_t n = x_in.size(0), hidden = x_in.size(1);
-  TORCH_CHECK(n >= 1 && n <= decode_rows_max_rows(gemm), "decode_rows takes 1 to ",
+  // GGUF projections: gguf_types[i] is projection i's ggml type, projections[i] its blocks
+  // and gguf_packed[i] its repacked quants; the caller keeps n within what they all fuse.
+  const bool gguf = !gguf_types.empty();
+  TORCH_CHECK(!gguf || (!gemm && gguf_types.size() == projections.size() &&
+                        gguf_packed.size() == projections.size()),
+              "decode_rows: GGUF projections take a type and a repacked weight each, not the GEMM");
+  TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(gemm)), "decode_rows takes 1 to ",
               decode_rows_max_rows(gemm), " rows", gemm ? " on the GEMM" : " on the GEMV",
               ", got ", n);
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   const Projection project{gemm};
   TORCH_CHECK(!project.gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");
+  // The raw-row kernels are built for AVX512-BF16 hosts, where the GEMV is.
   TORCH_CHECK(project.gemm || has_bf16_gemv(), "decode_rows: this build has no GEMV");
   const int64_t inter = projections[2].size(0) / 2;
   const int64_t shapes[kLinearsPerLayer][2] = {
@@ -115,6 +150,13 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     for (size_t i = 0; i < kLinearsPerLayer; ++i) {
       const at::Tensor& w = projections[l * kLinearsPerLayer + i];
       const int64_t out = shapes[i][0], in = shapes[i][1];
+      if (gguf) {  // gguf_linear checks the blocks' width against `in` on every call
+        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                        w.size(0) == out,
+                    "decode_rows: layer ", l, " GGUF weight ", i, " must be contiguous uint8 [",
+                    out, ", row bytes]");
+        continue;
+      }
       TORCH_CHECK(project.gemm ? bf16_gemm_holds(w, out, in)
                                : is_bf16(w) && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
                   "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [", out,
@@ -123,8 +165,9 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     }
     for (size_t i = 0; i < kBiasesPerLayer; ++i) {
       const auto& b = biases[l * kBiasesPerLayer + i];
-      TORCH_CHECK(!b || (is_bf16(*b) && b->numel() == shapes[i][0]),
-                  "decode_rows: a bias must be contiguous bfloat16 [out]");
+      TORCH_CHECK(!b || (!gguf && is_bf16(*b) && b->numel() == shapes[i][0]),
+                  "decode_rows: a bias must be contiguous bfloat16 [out], and GGUF projections "
+                  "take none");
       weights[l].bias[i] = b ? b->data_ptr<Bf16>() : nullptr;
     }
     for (size_t i = 0; i < kNormsPerLayer; ++i) {
@@ -170,10 +213,20 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
 
   for (size_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights[l];
+    // Projection i of this layer, x [n, in] -> y [n, out].
+    const auto linear = [&](size_t i, const Bf16* x_rows, const Bf16* bias, Bf16* y, int64_t out,
+                            int64_t in) {
+      const size_t at = l * kLinearsPerLayer + i;
+      if (gguf)
+        project(x_rows, GgufWeight{&projections[at], &gguf_packed[at], gguf_types[at]}, y, n, out,
+                in);
+      else
+        project(x_rows, w.weight[i], bias, y, n, out, in);
+    };
     Bf16* cache = kv_caches[l].data_ptr<Bf16>();
     // Attention.forward
     rms_norm_bf16(x_cur, nullptr, w.norm[0], r.h, nullptr, n, hidden, eps);
-    project(r.h, w.weight[0], w.bias[0], r.qkv, n, qkv_dim, hidden);
+    linear(0, r.h, w.bias[0], r.qkv, qkv_dim, hidden);
     rotary_bf16(r.qkv, qkv_dim, cos.data_ptr<Bf16>(), sin.data_ptr<Bf16>(), n, heads + kv_heads,
                 head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
@@ -187,12 +240,12 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});
-    project(r.attn, w.weight[1], w.bias[1], r.o, n, hidden, q_dim);
+    linear(1, r.attn, w.bias[1], r.o, hidden, q_dim);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
     rms_norm_bf16(x_cur, r.o, w.norm[1], r.h, r.residual, n, hidden, eps);
-    project(r.h, w.weight[2], nullptr, r.gate_up, n, 2 * inter, hidden);
+    linear(2, r.h, nullptr, r.gate_up, 2 * inter, hidden);
     silu_mul_bf16(r.gate_up, r.act, n, inter);
-    project(r.act, w.weight[3], nullptr, r.down, n, hidden, inter);
+    linear(3, r.act, nullptr, r.down, hidden, inter);
     add_rows(r.residual, r.down, x, n * hidden);
     x_cur = x;
   }

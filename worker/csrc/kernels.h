@@ -109,12 +109,16 @@ void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& cont
 // decode_layers for steps of up to decode_rows_max_rows(gemm) rows (any on the GEMM, one or
 // two on the GEMV) where every projection runs on one kernel over raw rows
 // (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed
-// by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; the other arguments are
-// decode_layers'.
+// by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; or, where gguf_types is not
+// empty, every projection's GGUF blocks, of type gguf_types[4 l + i], repacked as
+// gguf_packed[4 l + i], on gguf_linear (no biases; as many rows as the caller's QuantLinears
+// fuse). The other arguments are decode_layers'.
 int64_t decode_rows_max_rows(bool gemm);
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
+                       const std::vector<int64_t>& gguf_types,
+                       const std::vector<at::Tensor>& gguf_packed,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
                        const at::Tensor& block_table, const at::Tensor& context_lens,

@@ -11,8 +11,10 @@ the model is llama-shaped: Llama, SmolLM2, Qwen2 (q/k/v biases) in bfloat16 on t
 native kernels. Steps whose projections all run on one raw-row kernel go to
 ``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): steps of any rows where the
 AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or two rows
-on the GEMV over plain weights. It runs the same kernels on raw rows, with no tensor made
-per op, which took ~1 ms of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k
+on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
+fuses (``gguf_linear``, on AVX512-BF16 hosts, without biases). It runs the same kernels on
+raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
+of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k
 norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
 a prefill keep the Python layers.
 """
@@ -75,13 +77,25 @@ class DecodeStack:
             self.biases += [linears[0].bias, linears[1].bias]
         # decode_layers takes one limit: the fewest rows any projection fuses.
         self.gguf_fused_max_rows = min(fused_max_rows, default=FUSED_MAX_ROWS)
-        # The most rows decode_rows takes: any where every projection is the GEMM's, else
-        # as many as every projection's GEMV takes too.
-        self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
+        # The most rows decode_rows takes: any where every projection is the GEMM's, as
+        # many as every QuantLinear fuses where every projection is GGUF (and none has a
+        # bias), else as many as every projection's GEMV takes too.
+        self.raw_gguf = all(t >= 0 for t in self.gguf_types) and not any(
+            b is not None for b in self.biases
+        )
+        self.raw_gemm = not self.raw_gguf and (
+            all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
+        )
         raw_limit = ops.kernels.decode_rows_max_rows(self.raw_gemm)
-        self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
+        if self.raw_gguf:  # decode_rows takes GGUF steps where it takes any (AVX512-BF16)
+            self.raw_rows = self.gguf_fused_max_rows if raw_limit else 0
+        else:
+            self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
         raw = self.packed if self.raw_gemm else self.plain
         self.raw_weights = [w for w in raw if w is not None] if self.raw_rows else []
+        # decode_rows' GGUF arguments: each projection's type and repacked quants.
+        self.raw_gguf_types = self.gguf_types if self.raw_gguf else []
+        self.raw_gguf_packed = self.packed if self.raw_gguf else []
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -146,7 +160,14 @@ class DecodeStack:
         )
         if x.shape[0] <= self.raw_rows:
             return self.kernels.decode_rows(
-                x, self.norms, self.raw_weights, self.raw_gemm, self.biases, *step
+                x,
+                self.norms,
+                self.raw_weights,
+                self.raw_gemm,
+                self.biases,
+                self.raw_gguf_types,
+                self.raw_gguf_packed,
+                *step,
             )
         return self.kernels.decode_layers(
             x,
