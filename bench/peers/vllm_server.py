@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,7 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
         "2048",
         "--no-enable-prefix-caching",  # points reuse the same prompts
     ]
+    started = time.time() - 1  # a file's mtime may be rounded down
     proc = subprocess.Popen(
         cmd,
         env=_env(path, threads_bind),
@@ -84,12 +86,11 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    pids = {proc.pid}
     try:
         wait_healthy(url, proc, "vLLM", 600)  # ~75 s here, most of it torch.compile
         yield url, proc.pid
     finally:
-        pids |= {p.pid for p in process_tree(proc.pid)}
+        tree = process_tree(proc.pid)
         resume(proc.pid)
         with _suppress_gone():
             os.killpg(proc.pid, signal.SIGTERM)
@@ -99,22 +100,29 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
             with _suppress_gone():
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        remove_openmp_registrations(pids)
+        # Its engine process may outlive the server's by a moment: wait for every one.
+        _, left = psutil.wait_procs(tree, timeout=30)
+        for p in left:
+            with _suppress_gone():
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
+        remove_openmp_registrations(started)
 
 
-def remove_openmp_registrations(pids: set[int], shm: Path = Path("/dev/shm")) -> list[Path]:
-    """Removes what intel-openmp (the libiomp5 vLLM preloads) registered in ``shm`` for
-    these processes once each has ended; returns the files removed. libiomp5 deletes its
-    ``__KMP_REGISTERED_LIB_<pid>_<uid>`` file when a process exits normally, but vLLM's
-    engine and workers end on a signal and leave one each, run after run."""
+def remove_openmp_registrations(since: float, shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Removes the files intel-openmp (the libiomp5 vLLM preloads) registered in ``shm``
+    from ``since`` (a time.time()) for processes that have ended; returns them. libiomp5
+    deletes its ``__KMP_REGISTERED_LIB_<pid>_<uid>`` when a process exits normally, but
+    vLLM's processes end on a signal (some during its start) and leave theirs, run after
+    run. A file of a process still running is kept."""
     removed = []
-    for pid in pids:
-        if psutil.pid_exists(pid):
-            continue  # still running (or the pid already reused): not ours to remove
-        for path in shm.glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
+    for path in shm.glob("__KMP_REGISTERED_LIB_*_*"):
+        pid = path.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]
+        with contextlib.suppress(FileNotFoundError):
+            if not pid.isdigit() or psutil.pid_exists(int(pid)) or path.stat().st_mtime < since:
+                continue
+            path.unlink()
+            removed.append(path)
     return removed
 
 

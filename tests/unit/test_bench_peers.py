@@ -4,6 +4,7 @@ built."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -61,16 +62,20 @@ def test_openmp_registrations_of_ended_processes_are_removed(tmp_path: Path) -> 
     ended = subprocess.Popen(["true"])
     ended.wait()
     alive = psutil.Process().pid
-    for name in (
-        f"__KMP_REGISTERED_LIB_{ended.pid}_0",
-        f"__KMP_REGISTERED_LIB_{alive}_0",
-        f"__KMP_REGISTERED_LIB_{ended.pid}1_0",  # another pid that starts with the same digits
-        "libpod_lock",
-    ):
+    since = time.time() - 1
+    names = {
+        "ended": f"__KMP_REGISTERED_LIB_{ended.pid}_0",
+        "alive": f"__KMP_REGISTERED_LIB_{alive}_0",
+        "older": f"__KMP_REGISTERED_LIB_{ended.pid + 1}_0",  # before the server started
+        "other": "libpod_lock",
+    }
+    for name in names.values():
         (tmp_path / name).write_bytes(b"x")
-    removed = vllm_server.remove_openmp_registrations({ended.pid, alive}, shm=tmp_path)
-    assert removed == [tmp_path / f"__KMP_REGISTERED_LIB_{ended.pid}_0"]
+    older = tmp_path / names["older"]
+    os.utime(older, (since - 60, since - 60))
+    removed = vllm_server.remove_openmp_registrations(since, shm=tmp_path)
+    assert removed == [tmp_path / names["ended"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"__KMP_REGISTERED_LIB_{alive}_0", f"__KMP_REGISTERED_LIB_{ended.pid}1_0", "libpod_lock"]
+        [names["alive"], names["older"], names["other"]]
     )
-    assert vllm_server.remove_openmp_registrations({ended.pid}, shm=tmp_path) == []
+    assert vllm_server.remove_openmp_registrations(since, shm=tmp_path) == []
