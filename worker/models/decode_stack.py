@@ -14,9 +14,9 @@ AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or
 on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
 fuses (``gguf_linear``, on AVX512-BF16 hosts, without biases). It runs the same kernels on
 raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
-of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k
-norms, Gemma's sandwich norms and GeGLU, float32, tensor parallelism and steps holding
-a prefill keep the Python layers.
+of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k norms, Gemma's sandwich
+norms and GeGLU, float32, tensor parallelism and steps holding a prefill keep the Python
+layers.
 """
 
 from __future__ import annotations
