@@ -83,9 +83,8 @@ class DecodeStack:
         self.raw_gguf = all(t >= 0 for t in self.gguf_types) and not any(
             b is not None for b in self.biases
         )
-        self.raw_gemm = not self.raw_gguf and (
-            all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
-        )
+        # (a GGUF projection's packing code is a placeholder, never the GEMM's)
+        self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
         raw_limit = ops.kernels.decode_rows_max_rows(self.raw_gemm)
         if self.raw_gguf:  # decode_rows takes GGUF steps where it takes any (AVX512-BF16)
             self.raw_rows = self.gguf_fused_max_rows if raw_limit else 0
