@@ -1,5 +1,6 @@
 """The native kernels, counting the rows of each fused decode step by the entry it took
-(``decode_rows`` on raw rows or ``decode_layers``): for the tests of ``DecodeStack``."""
+(``decode_rows`` on raw rows or ``decode_layers``), for the tests of ``DecodeStack``, and
+of each ``QuantLinear`` call past its fused rows on ``gguf_bf16_matmul``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ class CountedKernels:
         self._kernels = kernels
         self.rows: list[int] = []
         self.layers: list[int] = []
+        self.matmuls: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kernels, name)
 
     def decode_rows(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         self.rows.append(x.shape[0])
@@ -21,3 +26,7 @@ class CountedKernels:
     def decode_layers(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         self.layers.append(x.shape[0])
         return self._kernels.decode_layers(x, *args)  # type: ignore[attr-defined]
+
+    def gguf_bf16_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self.matmuls.append(x.shape[0])
+        return self._kernels.gguf_bf16_matmul(x, *args)  # type: ignore[attr-defined]

@@ -56,6 +56,7 @@ SOURCES = [
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
         "gguf_gemm.cpp",
+        "gguf_matmul.cpp",
         "parallel_trace.cpp",
     )
 ]
@@ -157,6 +158,10 @@ class NativeKernels(Protocol):
 
     def gguf_dequantize(
         self, weight: torch.Tensor, type: int, in_features: int, bfloat16: bool = False
+    ) -> torch.Tensor: ...
+
+    def gguf_bf16_matmul(
+        self, x: torch.Tensor, weight: torch.Tensor, type: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
     def gguf_linear(

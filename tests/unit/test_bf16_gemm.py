@@ -122,3 +122,33 @@ def test_packed_linear_sends_the_rows_past_the_gemv_to_it() -> None:
     assert calls == [1, 2]  # the GEMV's rows; every other batch on the GEMM
     x3 = torch.randn(2, 3, 70, dtype=torch.bfloat16)  # [batch, seq, in] flattens to 6 rows
     assert torch.equal(packed(x3), packed(x3.reshape(6, 70)).reshape(2, 3, 100))
+
+
+def layout(w: torch.Tensor) -> torch.Tensor:
+    """bf16_gemm_pack's layout from its definition in bf16_gemm.cpp, element by element:
+    packed[g][kp][b][16][2] = W[16 (2 g + b) + i][2 kp + j], zeros past out and in."""
+    out, inp = w.shape
+    blocks, pairs = -(-out // 16), -(-inp // 2)
+    padded = torch.zeros(blocks * 16, pairs * 2, dtype=w.dtype)
+    padded[:out, :inp] = w
+    groups = []
+    for first in range(0, blocks, 2):
+        group = padded[first * 16 : (first + 2) * 16]  # [16 b + i, 2 kp + j]
+        count = group.shape[0] // 16
+        groups.append(group.reshape(count, 16, pairs, 2).permute(2, 0, 1, 3).reshape(-1))
+    return torch.cat(groups)
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    # whole groups; a last group of one block; a block of 1 to 15 outputs; odd inputs
+    [(64, 8), (48, 6), (37, 70), (75, 33), (1, 2), (17, 1), (5, 3)],
+)
+def test_the_packed_layout_is_the_documented_one(out_features: int, in_features: int) -> None:
+    """On every CPU: the layout is a plain copy (gathers with AVX512-BF16, a loop without),
+    and bf16_gemm_pack_group lays out weights made on the fly (gguf_bf16_matmul) as it."""
+    w = torch.randn(out_features, in_features).to(torch.bfloat16)
+    packed = kernels.bf16_gemm_pack(w).reshape(-1)
+    expected = layout(w)
+    assert torch.equal(packed[: len(expected)].view(torch.int16), expected.view(torch.int16))
+    assert not packed[len(expected) :].view(torch.int16).any()  # the zeros past the layout

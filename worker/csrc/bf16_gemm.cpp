@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "kernels.h"
@@ -138,6 +139,42 @@ bool has_bf16_gemm() { return TANDEM_HAS_BF16_GEMM != 0; }
 // (bench.gemv; docs/benchmarks.md), so it takes every batch past the GEMV's rows.
 bool bf16_gemm_packs() { return has_bf16_gemm() && !has_amx_linear(); }
 
+int64_t bf16_gemm_group_outputs() { return kBlock * kGroupBlocks; }
+
+void bf16_gemm_pack_group(const uint16_t* rows, int64_t count, int64_t in_features,
+                          uint16_t* group) {
+  const int64_t blocks = blocks_of(count), whole = in_features / 2;
+  const int64_t pairs = padded_pairs(in_features);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(group);  // a pair of bfloat16 each
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t valid = std::min(kBlock, count - b * kBlock);
+    const uint16_t* first = rows + b * kBlock * in_features;
+#if TANDEM_HAS_BF16_GEMM
+    // Lane i gathers row i's pair kp: a 16 x (in / 2) transpose of 32-bit pairs, one
+    // gather a vector (the rows of a group are in L1 or L2: they were just written).
+    const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(static_cast<int>(in_features)));
+    for (int64_t kp = 0; kp < whole; ++kp)
+      _mm512_storeu_si512(dst + (kp * blocks + b) * kBlock,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets,
+                                                      first + 2 * kp, 2));
+#else
+    for (int64_t kp = 0; kp < whole; ++kp)
+      for (int64_t i = 0; i < kBlock; ++i) {
+        uint32_t pair = 0;
+        if (i < valid) std::memcpy(&pair, first + i * in_features + 2 * kp, sizeof pair);
+        dst[(kp * blocks + b) * kBlock + i] = pair;
+      }
+#endif
+    // An odd in: the last pair's input alone, beside a zero (little-endian: the low half).
+    for (int64_t kp = whole; kp < pairs; ++kp)
+      for (int64_t i = 0; i < kBlock; ++i)
+        dst[(kp * blocks + b) * kBlock + i] = i < valid ? first[i * in_features + 2 * kp] : 0u;
+  }
+}
+
 at::Tensor bf16_gemm_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu(),
@@ -146,26 +183,18 @@ at::Tensor bf16_gemm_pack(const at::Tensor& weight) {
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t blocks = blocks_of(out), pairs = padded_pairs(in);
   // Shaped [out, ceil(size / out)] (a few zeros past the layout) so that it carries out;
-  // zeros also fill the outputs past out and the input past an odd in.
+  // bf16_gemm_pack_group writes the zeros past out and past an odd in.
   const int64_t size = blocks * kBlock * 2 * pairs;
   at::Tensor packed = at::zeros({out, (size + out - 1) / out}, weight.options());
   const at::Tensor w = weight.contiguous();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  const int64_t outputs = bf16_gemm_group_outputs();
+  const int64_t groups = (out + outputs - 1) / outputs;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first_block = g * kGroupBlocks;
-      const int64_t group = std::min(kGroupBlocks, blocks - first_block);
-      uint16_t* out_group = dst + first_block * kBlock * 2 * pairs;
-      for (int64_t b = 0; b < group; ++b)
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const int64_t row = (first_block + b) * kBlock + i;
-          if (row >= out) break;
-          for (int64_t k = 0; k < in; ++k)  // element (k / 2, b, i, k % 2) of the group
-            out_group[((k / 2 * group + b) * kBlock + i) * 2 + k % 2] = src[row * in + k];
-        }
-    }
+    for (int64_t g = begin; g < end; ++g)  // a group: its 32 outputs x pairs x 2 inputs
+      bf16_gemm_pack_group(src + g * outputs * in, std::min(outputs, out - g * outputs), in,
+                           dst + g * outputs * 2 * pairs);
   });
   return packed;
 }
@@ -203,6 +232,23 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
   });
 #else
   (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features;
+#endif
+}
+
+void bf16_gemm_group(const uint16_t* x, int64_t rows, int64_t in_features, const uint16_t* group,
+                     const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y) {
+  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(in_features % 2 == 0 && out0 % bf16_gemm_group_outputs() == 0 && out0 < out_features,
+              "bf16_gemm_group: whole pairs of x, a group's first output");
+#if TANDEM_HAS_BF16_GEMM
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(group);
+  if (out_features - out0 > kBlock)
+    group_rows<2>(xs, rows, in_features / 2, w, bias, out0, out_features, y, nullptr);
+  else
+    group_rows<1>(xs, rows, in_features / 2, w, bias, out0, out_features, y, nullptr);
+#else
+  (void)x, (void)rows, (void)group, (void)bias, (void)y;
 #endif
 }
 

@@ -1,7 +1,7 @@
 // GGUF block formats, as the file ships them: each format's size, its exact float32
 // dequantization (gguf-py's, operation for operation) and, for the 32-weight formats with
 // AVX-512, its quants in registers. Shared by the float32-row kernels (gguf_linear.cpp)
-// and the bfloat16-row kernels (gguf_bf16_dot.cpp).
+// and the bfloat16-row kernels (gguf_bf16_dot.cpp, gguf_gemm.cpp, gguf_matmul.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -235,6 +235,24 @@ inline void lanes(const uint8_t* b, __m512& lo, __m512& hi) {
   }
 }
 #endif
+
+// One block's weights as gguf_dequantize's bfloat16 holds them: dequant's float32 rounded
+// once to nearest even, as Tensor.to(torch.bfloat16) rounds it.
+template <typename F>
+inline void dequant_bf16(const uint8_t* block, c10::BFloat16* out) {
+#if defined(__AVX512F__)
+  if constexpr (F::kWeights == 32) {
+    __m512 lo, hi;
+    lanes<F>(block, lo, hi);
+    tandem::store_lanes(out, lo);
+    tandem::store_lanes(out + 16, hi);
+    return;
+  }
+#endif
+  alignas(64) float weights[F::kWeights];
+  F::dequant(block, weights);
+  for (int64_t j = 0; j < F::kWeights; ++j) out[j] = c10::BFloat16(weights[j]);
+}
 
 // Calls body(Format{}) for a ggml type id: the one switch over block formats.
 template <typename Body>

@@ -164,23 +164,8 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
         for (int64_t i = begin; i < end; ++i) F::dequant(w + i * F::kBytes, y + i * F::kWeights);
         return;
       }
-      // Rounded once to nearest even, as Tensor.to(torch.bfloat16) rounds the float32.
       c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
-      for (int64_t i = begin; i < end; ++i) {
-        c10::BFloat16* dst = y + i * F::kWeights;
-#if defined(__AVX512F__)
-        if constexpr (F::kWeights == 32) {
-          __m512 lo, hi;
-          lanes<F>(w + i * F::kBytes, lo, hi);
-          tandem::store_lanes(dst, lo);
-          tandem::store_lanes(dst + 16, hi);
-          continue;
-        }
-#endif
-        alignas(64) float block[F::kWeights];
-        F::dequant(w + i * F::kBytes, block);
-        for (int64_t j = 0; j < F::kWeights; ++j) dst[j] = c10::BFloat16(block[j]);
-      }
+      for (int64_t i = begin; i < end; ++i) dequant_bf16<F>(w + i * F::kBytes, y + i * F::kWeights);
     });
   });
   return out;

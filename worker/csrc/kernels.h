@@ -45,6 +45,12 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
                      const std::optional<at::Tensor>& bias);
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features,
                            bool bfloat16);
+// GGUF projections of bfloat16 rows past gguf_linear's (prefill chunks), where
+// bf16_gemm_packs (gguf_matmul.cpp): bf16_gemm over each group of 32 outputs dequantized
+// for the call, bit for bit bf16_gemm(x, bf16_gemm_pack(gguf_dequantize(weight, type, in,
+// true)), bias).
+at::Tensor gguf_bf16_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                            const std::optional<at::Tensor>& bias);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& packed = std::nullopt);
@@ -100,6 +106,16 @@ void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, 
 bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_features);
 void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
                     uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features);
+// bf16_gemm_pack one group at a time, for weights made on the fly: a group is the next
+// bf16_gemm_group_outputs() outputs; bf16_gemm_pack_group lays out rows [count, in] (count
+// up to a group's outputs; zeros past them and past an odd in) as bf16_gemm_pack lays out
+// a group, into group_size(count, in) elements; bf16_gemm_group computes y's outputs from
+// out0 (a group's first) for every row of x over it, as bf16_gemm_rows does over a group.
+int64_t bf16_gemm_group_outputs();
+void bf16_gemm_pack_group(const uint16_t* rows, int64_t count, int64_t in_features,
+                          uint16_t* group);
+void bf16_gemm_group(const uint16_t* x, int64_t rows, int64_t in_features, const uint16_t* group,
+                     const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y);
 // The rows bf16_gemv runs on bf16_gemv_rows on any host (from kAmxFromRows it may take AMX).
 int64_t bf16_gemv_rows_on_every_host();
 void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>& p);

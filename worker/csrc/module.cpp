@@ -38,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize,
         "GGUF blocks [out, row_bytes] to float32 (or bfloat16) [out, in]", py::arg("weight"),
         py::arg("type"), py::arg("in_features"), py::arg("bfloat16") = false);
+  m.def("gguf_bf16_matmul", &gguf_bf16_matmul,
+        "x W^T + b for many bfloat16 rows, W as GGUF blocks dequantized to bfloat16 a group "
+        "at a time for bf16_gemm; bfloat16 out",
+        py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
   m.def("gguf_linear", &gguf_linear,
         "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks (and, for bfloat16 rows "
         "from gguf_gemm_min_rows, as gguf_gemm_pack repacked them); float32 out",

@@ -6,10 +6,12 @@ step reads ~3x fewer bytes than in bfloat16. Up to ``fused_max_rows`` rows (deco
 steps) go to the native ``gguf_linear``: a bfloat16 row or two dotted with the blocks as
 they are, more with the quants repacked for a GEMM (a bfloat16 model, the 32-weight
 formats), else each weight row dequantized in cache and dotted with every input row in
-float32. Larger batches (prefill chunks) dequantize the whole weight for the call and run
-one dense matmul in the activations' dtype, where the matmul's cost dwarfs the
-dequantization. Dequantization is exact (bit for bit gguf-py's, which transformers loads
-GGUF files with), so float32 parity holds.
+float32. Larger batches (prefill chunks) compute in the activations' dtype over the weight
+dequantized for the call, where the matmul's cost dwarfs the dequantization: for a bfloat16
+model where ``bf16_gemm`` takes the projections (AVX512-BF16, no AMX), on it, a group of its
+32 outputs dequantized at a time (``gguf_bf16_matmul``); else one dense matmul over the whole
+weight. Dequantization is exact (bit for bit gguf-py's, which transformers loads GGUF files
+with), so float32 parity holds.
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ class QuantLinear(nn.Module):
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
+        # Past fused_max_rows: bf16_gemm over the weight dequantized a group at a time
+        # where it takes a bfloat16 model's projections, else a dense matmul.
+        self._many_rows = (
+            self._on_bf16_gemm
+            if bfloat16_rows and kernels.bf16_gemm_packs()
+            else self._on_dense_matmul
+        )
 
     def block_tensors(self) -> list[torch.Tensor]:
         """The tensors holding the weight's blocks (``worker.huge_pages`` moves them in
@@ -128,10 +137,24 @@ class QuantLinear(nn.Module):
                     out += self.bias
             out = out.to(x.dtype)
         else:
-            weight = self.dequantized(x.dtype)
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            out = nn.functional.linear(flat, weight, bias)
+            out = self._many_rows(flat)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _on_dense_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized(flat.dtype)
+        bias = None if self.bias is None else self.bias.to(flat.dtype)
+        return nn.functional.linear(flat, weight, bias)
+
+    def _on_bf16_gemm(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = flat.to(torch.bfloat16).contiguous()
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        outs, first = [], 0
+        for s in self.segments:
+            count = s.data.shape[0]
+            part = None if bias is None else bias[first : first + count]
+            outs.append(self.kernels.gguf_bf16_matmul(rows, s.data, s.type, part))
+            first += count
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(flat.dtype)
 
 
 def _parts_of(module_name: str) -> list[str]:
