@@ -109,8 +109,8 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
 // bf16_gemm_pack one group at a time, for weights made on the fly: a group is the next
 // bf16_gemm_group_outputs() outputs; bf16_gemm_pack_group lays out rows [count, in] (count
 // up to a group's outputs; zeros past them and past an odd in) as bf16_gemm_pack lays out
-// a group, into group_size(count, in) elements; bf16_gemm_group computes y's outputs from
-// out0 (a group's first) for every row of x over it, as bf16_gemm_rows does over a group.
+// a group, 16 ceil(count / 16) x 2 ceil(in / 2) elements; bf16_gemm_group computes y's
+// outputs from out0 (a group's first) for every row of x over it, as bf16_gemm_rows does.
 int64_t bf16_gemm_group_outputs();
 void bf16_gemm_pack_group(const uint16_t* rows, int64_t count, int64_t in_features,
                           uint16_t* group);
