@@ -4,8 +4,8 @@
 //
 // Before, QuantLinear dequantized the whole weight to bfloat16 for the call and ran ATen's
 // matmul on it, which reorders the weight into oneDNN's layout on every call: on a Zen 5,
-// over SmolLM2's projections for the chat wave's 1,432-row prefill, 394 ms against
-// bf16_gemm's 316 on weights packed at load (the dequantization itself ~5). Here each group
+// over SmolLM2's projections for the chat wave's 1,432-row prefill, 326-400 ms against
+// bf16_gemm's 312-329 on weights packed at load (the dequantization itself ~4). Here each group
 // of bf16_gemm's 32 outputs is dequantized into a thread's buffer and laid out as
 // bf16_gemm_pack lays out a group, both in L1 or L2, and every row of x runs through
 // bf16_gemm's tiles over it: the file's blocks are read once and no whole weight is written.
