@@ -73,7 +73,8 @@ def test_fused_linear_reads_each_weight_exactly(
 ) -> None:
     """One-hot rows pick single weights: the fused kernel's own dequantization (in
     registers for the 32-weight types; for bfloat16 rows, quants looked up as bfloat16
-    and Q8_0's bytes split into nibbles) must give gguf-py's values exactly."""
+    and Q8_0's bytes split into nibbles) must give gguf-py's values exactly, many rows at
+    once and one at a time."""
     in_features = 256
     blocks = random_blocks(qtype, 13, in_features, seed=1)
     columns = [0, 1, 15, 16, 17, 31, 32, 100, 255]
@@ -83,6 +84,11 @@ def test_fused_linear_reads_each_weight_exactly(
     ref = torch.from_numpy(reference(blocks, qtype))[:, columns].T
     assert out.dtype == torch.float32
     assert torch.equal(out, ref.contiguous())
+    for i in range(len(columns)):  # one row: the decode step's own kernels
+        one = kernels.gguf_linear(
+            x[i : i + 1].contiguous(), torch.from_numpy(blocks), int(qtype), None
+        )
+        assert torch.equal(one, ref[i : i + 1].contiguous()), columns[i]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
