@@ -144,7 +144,7 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical(rows: int) -> None:
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_bf16_prefill_past_the_fused_rows_stays_near_float32(name: str) -> None:
-    """The parity prompts and a long one prefilled in one step of ~300 rows: every
+    """The parity prompts and a 100-token one prefilled in one step (133-138 rows): every
     projection past its fused rows, on ``gguf_bf16_matmul`` where bf16_gemm takes a bfloat16
     model's projections (else the dense matmul); the logits within bfloat16's drift of
     float32's (which match transformers, above), and the next token as float32's."""

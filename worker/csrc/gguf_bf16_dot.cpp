@@ -186,6 +186,13 @@ void dot_row512(const uint8_t* row, const Rows& in, float* out) {
   *out = _mm512_reduce_add_ps(acc) + (off[0] + off[1]);
 }
 
+// One row of x: on 512 bits where the format has its block in one register.
+template <typename F>
+void dot_one_row(const uint8_t* row, const Rows& in, float* out, int64_t N) {
+  if constexpr (HasQuants512<F>::value) dot_row512<F>(row, in, out);
+  else dot_row<F, 1>(row, in, out, N);
+}
+
 template <typename F>
 void linear_rows(const at::Tensor& x, const at::Tensor& weight, const float* bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -199,13 +206,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const float* bia
   float* y = out.data_ptr<float>();
   at::parallel_for(0, N, kOutputsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      if constexpr (HasQuants512<F>::value) {
-        if (M == 1) {
-          dot_row512<F>(w + n * row_bytes, in, y + n);
-          continue;
-        }
-      }
-      if (M == 1) dot_row<F, 1>(w + n * row_bytes, in, y + n, N);
+      if (M == 1) dot_one_row<F>(w + n * row_bytes, in, y + n, N);
       else dot_row<F, 2>(w + n * row_bytes, in, y + n, N);
     }
     if (bias != nullptr)
