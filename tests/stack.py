@@ -3,6 +3,7 @@ loopback port, and tear it down leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from common.process import dies_with_this_process
 
 READY_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 40
+STUCK_LOG_LINES = 300  # room for every process's thread stacks
 # Workers take a GPU whenever they see one; a stack testing a CPU-only feature (the GGUF
 # kernels, the shared-memory KV hand-off, tensor parallelism over gloo) hides it, as a
 # user on a GPU host would.
@@ -133,13 +135,36 @@ class TandemStack:
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            report = self._stuck_report(known, sig, timeout_s)
             self.proc.kill()
-            raise
+            for p in known:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            raise AssertionError(report) from None
         _, alive = psutil.wait_procs(known, timeout=10)
         for p in alive:
             p.kill()
         assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
         return code
+
+    def _stuck_report(self, known: list[psutil.Process], sig: int, timeout_s: float) -> str:
+        """Where a stack that did not stop waits: each process's state, and the Python
+        stacks every Tandem process writes to the log on SIGUSR1 (``common/logs.py``)."""
+        assert self.proc is not None
+        procs = {p.pid: p for p in known}
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs = {self.proc.pid: psutil.Process(self.proc.pid), **procs}
+        states = []
+        for p in procs.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                states.append(f"pid {p.pid} {module_of(p)}: {p.status()}")
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)  # for the stacks to reach the log
+        tail = "\n".join(self.log().splitlines()[-STUCK_LOG_LINES:])
+        return (
+            f"tandem did not exit within {timeout_s:.0f} s of {signal.Signals(sig).name}; "
+            f"processes: {'; '.join(states)}; the end of its log:\n{tail}"
+        )
 
     def __enter__(self) -> TandemStack:
         return self.start()

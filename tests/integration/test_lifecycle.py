@@ -31,6 +31,29 @@ def test_signal_stops_every_process_with_exit_0(smollm2_dir: Path, sig: int) -> 
     assert "Traceback" not in stack.log()  # a clean stop logs no error
 
 
+def test_sigusr1_writes_each_process_stacks_to_the_log_and_serving_goes_on(
+    smollm2_dir: Path,
+) -> None:
+    """Where a stuck process waits, without stopping it: one dump per process (its
+    signalled thread marked "Current thread"), and the service still answers."""
+    stack = TandemStack().start()
+    assert stack.proc is not None
+    processes = [psutil.Process(stack.proc.pid), *stack.descendants()]
+    assert len(processes) == 4  # the launcher, api_server, engine_core, worker
+    for p in processes:
+        p.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while stack.log().count("Current thread 0x") < len(processes):
+        assert time.monotonic() < deadline, stack.log()
+        time.sleep(0.1)
+    time.sleep(0.5)  # a fifth dump would have come by now
+    log = stack.log()
+    assert log.count("Current thread 0x") == len(processes)
+    assert "engine_core/proc.py" in log and "worker/worker.py" in log
+    assert completion(stack.url, "Hi", max_tokens=2)["choices"][0]["finish_reason"]
+    assert stack.stop() == 0
+
+
 def long_stream(url: str, events: list[str]) -> None:
     body = {
         "model": MODEL,
