@@ -3,7 +3,8 @@
 // packs (AVX512-BF16, no AMX) on the GEMM over its packed ones (whichever the Python
 // layers' PackedLinear picks for these rows, NativeOps.small_batch_linear), or a step of
 // --quantization gguf's projections on gguf_linear, up to the rows every QuantLinear fuses
-// (the caller's limit): gguf_linear's float32 product is rounded to bfloat16 here, as
+// (the caller's limit), with the float32 biases QuantLinear holds (Qwen2's q/k/v):
+// gguf_linear's float32 product, bias added, is rounded to bfloat16 here, as
 // QuantLinear.forward's .to() rounds it.
 //
 // At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
@@ -56,14 +57,16 @@ struct LayerWeights {
   const Bf16* norm[kNormsPerLayer];
   const Bf16* weight[kLinearsPerLayer];
   const Bf16* bias[kBiasesPerLayer];
+  const at::Tensor* gguf_bias[kBiasesPerLayer];  // GGUF projections': float32, or null
 };
 
-// One projection's GGUF weight: its blocks, its type and the quants gguf_gemm_pack
-// repacked (an empty tensor where it has none).
+// One projection's GGUF weight: its blocks, its type, the quants gguf_gemm_pack
+// repacked (an empty tensor where it has none) and its float32 bias (null where none).
 struct GgufWeight {
   const at::Tensor* blocks;
   const at::Tensor* packed;
   int64_t type;
+  const at::Tensor* bias;
 };
 
 // y = x W^T (+ b) for n rows, on the kernel for the weights' layout.
@@ -78,11 +81,13 @@ struct Projection {
       bf16_gemv_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
   }
 
-  // QuantLinear.forward for n bfloat16 rows (no bias): gguf_linear's product, rounded.
+  // QuantLinear.forward for n bfloat16 rows: gguf_linear's product (bias added), rounded.
   void operator()(const Bf16* x, const GgufWeight& w, Bf16* y, int64_t n, int64_t out,
                   int64_t in) const {
     const at::Tensor rows = at::from_blob(const_cast<Bf16*>(x), {n, in}, at::kBFloat16);
-    const at::Tensor product = gguf_linear(rows, *w.blocks, w.type, std::nullopt, *w.packed);
+    const std::optional<at::Tensor> bias =
+        w.bias ? std::optional<at::Tensor>(*w.bias) : std::nullopt;
+    const at::Tensor product = gguf_linear(rows, *w.blocks, w.type, bias, *w.packed);
     const float* p = product.data_ptr<float>();
     const int64_t count = n * out;
     int64_t j = 0;
@@ -165,10 +170,14 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     }
     for (size_t i = 0; i < kBiasesPerLayer; ++i) {
       const auto& b = biases[l * kBiasesPerLayer + i];
-      TORCH_CHECK(!b || (!gguf && is_bf16(*b) && b->numel() == shapes[i][0]),
-                  "decode_rows: a bias must be contiguous bfloat16 [out], and GGUF projections "
-                  "take none");
-      weights[l].bias[i] = b ? b->data_ptr<Bf16>() : nullptr;
+      // QuantLinear keeps its bias in float32 (gguf_linear adds it to the float32 product).
+      const at::ScalarType dtype = gguf ? at::kFloat : at::kBFloat16;
+      TORCH_CHECK(!b || (b->scalar_type() == dtype && b->is_contiguous() &&
+                         b->numel() == shapes[i][0]),
+                  "decode_rows: a bias must be contiguous [out], in float32 for GGUF "
+                  "projections, else in bfloat16");
+      weights[l].bias[i] = b && !gguf ? b->data_ptr<Bf16>() : nullptr;
+      weights[l].gguf_bias[i] = b && gguf ? &*b : nullptr;
     }
     for (size_t i = 0; i < kNormsPerLayer; ++i) {
       const at::Tensor& norm = norms[l * kNormsPerLayer + i];
@@ -214,19 +223,21 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   for (size_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights[l];
     // Projection i of this layer, x [n, in] -> y [n, out].
-    const auto linear = [&](size_t i, const Bf16* x_rows, const Bf16* bias, Bf16* y, int64_t out,
-                            int64_t in) {
+    const auto linear = [&](size_t i, const Bf16* x_rows, Bf16* y, int64_t out, int64_t in) {
       const size_t at = l * kLinearsPerLayer + i;
+      const bool biased = i < kBiasesPerLayer;  // qkv and o
       if (gguf)
-        project(x_rows, GgufWeight{&projections[at], &gguf_packed[at], gguf_types[at]}, y, n, out,
-                in);
+        project(x_rows,
+                GgufWeight{&projections[at], &gguf_packed[at], gguf_types[at],
+                           biased ? w.gguf_bias[i] : nullptr},
+                y, n, out, in);
       else
-        project(x_rows, w.weight[i], bias, y, n, out, in);
+        project(x_rows, w.weight[i], biased ? w.bias[i] : nullptr, y, n, out, in);
     };
     Bf16* cache = kv_caches[l].data_ptr<Bf16>();
     // Attention.forward
     rms_norm_bf16(x_cur, nullptr, w.norm[0], r.h, nullptr, n, hidden, eps);
-    linear(0, r.h, w.bias[0], r.qkv, qkv_dim, hidden);
+    linear(0, r.h, r.qkv, qkv_dim, hidden);
     rotary_bf16(r.qkv, qkv_dim, cos.data_ptr<Bf16>(), sin.data_ptr<Bf16>(), n, heads + kv_heads,
                 head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
@@ -240,12 +251,12 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});
-    linear(1, r.attn, w.bias[1], r.o, hidden, q_dim);
+    linear(1, r.attn, r.o, hidden, q_dim);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
     rms_norm_bf16(x_cur, r.o, w.norm[1], r.h, r.residual, n, hidden, eps);
-    linear(2, r.h, nullptr, r.gate_up, 2 * inter, hidden);
+    linear(2, r.h, r.gate_up, 2 * inter, hidden);
     silu_mul_bf16(r.gate_up, r.act, n, inter);
-    linear(3, r.act, nullptr, r.down, hidden, inter);
+    linear(3, r.act, r.down, hidden, inter);
     add_rows(r.residual, r.down, x, n * hidden);
     x_cur = x;
   }

@@ -127,8 +127,8 @@ void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& cont
 // (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed
 // by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; or, where gguf_types is not
 // empty, every projection's GGUF blocks, of type gguf_types[4 l + i], repacked as
-// gguf_packed[4 l + i], on gguf_linear (no biases; as many rows as the caller's QuantLinears
-// fuse). The other arguments are decode_layers'.
+// gguf_packed[4 l + i], on gguf_linear (biases in float32, as QuantLinear holds them; as
+// many rows as the caller's QuantLinears fuse). The other arguments are decode_layers'.
 int64_t decode_rows_max_rows(bool gemm);
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,

@@ -12,7 +12,7 @@ native kernels. Steps whose projections all run on one raw-row kernel go to
 ``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): steps of any rows where the
 AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or two rows
 on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
-fuses (``gguf_linear``, on AVX512-BF16 hosts, without biases). It runs the same kernels on
+fuses (``gguf_linear``, on AVX512-BF16 hosts, Qwen2's biases too). It runs the same kernels on
 raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
 of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k norms, Gemma's sandwich
 norms and GeGLU, float32, tensor parallelism and steps holding a prefill keep the Python
@@ -78,11 +78,9 @@ class DecodeStack:
         # decode_layers takes one limit: the fewest rows any projection fuses.
         self.gguf_fused_max_rows = min(fused_max_rows, default=FUSED_MAX_ROWS)
         # The most rows decode_rows takes: any where every projection is the GEMM's, as
-        # many as every QuantLinear fuses where every projection is GGUF (and none has a
-        # bias), else as many as every projection's GEMV takes too.
-        self.raw_gguf = all(t >= 0 for t in self.gguf_types) and not any(
-            b is not None for b in self.biases
-        )
+        # many as every QuantLinear fuses where every projection is GGUF, else as many as
+        # every projection's GEMV takes too.
+        self.raw_gguf = all(t >= 0 for t in self.gguf_types)
         # (a GGUF projection's packing code is a placeholder, never the GEMM's)
         self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
         raw_limit = ops.kernels.decode_rows_max_rows(self.raw_gemm)

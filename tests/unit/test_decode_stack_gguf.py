@@ -1,0 +1,129 @@
+"""The fused decode step over GGUF projections with biases (Qwen2's q/k/v, as a Qwen2.5
+GGUF holds them in float32) against the Python layers: a tiny random Qwen2 whose every
+layer projection is a ``QuantLinear`` over random Q4_0 blocks. Bit-identical hidden states
+and KV caches for decode steps of 1 to 17 rows, every step through ``decode_rows`` where
+this host takes raw rows (AVX512-BF16), else through ``decode_layers``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.counted_kernels import CountedKernels
+from tests.parity.families import VOCAB, build
+from tests.unit.test_gguf_linear import random_blocks
+from worker.attention import build_metadata
+from worker.models.decode_stack import DecodeStack
+from worker.models.decoder import DecoderLayer, DecoderLM
+from worker.models.gguf_weights import GgufWeight
+from worker.models.loader import load_model
+from worker.models.quant_linear import QuantLinear
+from worker.native import load_native_kernels
+from worker.ops import NativeOps
+
+BLOCK = 4
+PROJECTIONS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+def quantized_qwen2(tmp_path: Path) -> DecoderLM:
+    """The tiny Qwen2 in bfloat16, its layers' projections swapped for Q4_0 blocks (the
+    checkpoint's biases kept, as ``quantize_linears`` keeps them)."""
+    build("qwen2", tmp_path)
+    kernels = load_native_kernels()
+    ops = NativeOps(kernels)
+    model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), ops)
+    assert isinstance(model, DecoderLM)
+    seed = 0
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        for parent_name, name in PROJECTIONS:
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, name)
+            out, width = linear.out_features, linear.in_features
+            blocks = torch.from_numpy(random_blocks(Q.Q4_0, out, width, seed))
+            weight = GgufWeight(f"{name}{seed}", int(Q.Q4_0), "Q4_0", blocks, width)
+            setattr(parent, name, QuantLinear([weight], linear.bias, kernels, True))
+            seed += 1
+    model.fused_decode = DecodeStack.build(model, ops)
+    return model
+
+
+def test_gguf_projections_with_biases_take_raw_rows_bit_identically(tmp_path: Path) -> None:
+    model = quantized_qwen2(tmp_path)
+    fused = model.fused_decode
+    assert isinstance(fused, DecodeStack)
+    biases = [b for b in fused.biases if b is not None]
+    # qkv's bias in every layer, float32 as QuantLinear holds it; o has none in Qwen2
+    assert len(biases) == model.num_layers and all(b.dtype == torch.float32 for b in biases)
+    kernels = load_native_kernels()
+    raw = kernels.decode_rows_max_rows(False) > 0
+    assert fused.raw_gguf and not fused.raw_gemm
+    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
+    calls = CountedKernels(fused.kernels)
+    fused.kernels = calls  # type: ignore[assignment]
+
+    gen = torch.Generator().manual_seed(2)
+    lengths = [int(n) for n in torch.randint(3, 14, (17,), generator=gen)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+    shape = model.kv_cache_shape(8 * len(prompts), BLOCK)
+    caches = {
+        side: [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
+        for side in ("fused", "python")
+    }
+
+    def step(
+        side: str, seqs: list[int], tokens: list[list[int]], starts: list[int]
+    ) -> torch.Tensor:
+        counts = [len(t) for t in tokens]
+        ids = torch.tensor([t for ts in tokens for t in ts])
+        pos = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)])
+        meta = build_metadata([blocks[i] for i in seqs], starts, counts, BLOCK, torch.device("cpu"))
+        model.fused_decode = fused if side == "fused" else None
+        with torch.inference_mode():
+            return model(ids, pos, caches[side], meta)
+
+    everyone = list(range(len(prompts)))
+    for side in caches:  # the prompts, in one prefill step: never the fused path
+        step(side, everyone, prompts, [0] * len(prompts))
+    batches = ([0], [1, 2], [0, 3, 4], everyone, [16], everyone)
+    for seqs in batches:
+        tokens = [[int(torch.randint(0, VOCAB, (1,), generator=gen))] for _ in seqs]
+        starts = [lengths[i] for i in seqs]
+        out = {side: step(side, seqs, tokens, starts) for side in caches}
+        assert torch.equal(out["fused"], out["python"]), f"decode rows {seqs}"
+        for i in seqs:
+            lengths[i] += 1
+    for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
+        assert torch.equal(fused_cache, python_cache)
+    steps = [len(seqs) for seqs in batches]
+    assert calls.rows == (steps if raw else [])
+    assert calls.layers == ([] if raw else steps)
+
+
+def test_the_bias_is_added(tmp_path: Path) -> None:
+    """The biases matter to the step: without them the same raw-row step differs."""
+    model = quantized_qwen2(tmp_path)
+    fused = model.fused_decode
+    assert isinstance(fused, DecodeStack)
+    shape = model.kv_cache_shape(8, BLOCK)
+    meta = build_metadata([[0, 1]], [5], [1], BLOCK, torch.device("cpu"))
+    x = torch.randn(1, model.args.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos = torch.ones(1, model.args.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros(1, model.args.head_dim, dtype=torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
+        with torch.inference_mode():
+            return fused(x.to(torch.bfloat16), cos, sin, caches, meta)
+
+    with_biases = run()
+    fused.biases = [None] * len(fused.biases)
+    assert not torch.equal(run(), with_biases)
