@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import subprocess
 import time
 from collections import deque
@@ -43,7 +44,7 @@ from common.messages import (
     WorkerMessage,
     WorkerReady,
 )
-from common.process import start_module, stop_process, worker_env
+from common.process import start_module, worker_env
 from common.silence import Silence
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ MAX_SILENCE_GAP_S = 0.5
 # mid-collective breaks its peers' reads as its sockets close, and its exit becomes visible
 # (waitpid) a moment later, so a peer's report can arrive first and would name the wrong rank.
 PEER_DEATH_GRACE_S = 0.3
+# How long a started worker has to exit after its Shutdown message (it normally takes
+# well under a second), and to write its stacks before it is killed.
+_SHUTDOWN_WAIT_S = 5.0
+_STACKS_WAIT_S = 0.5
 
 
 class WorkerDied(RuntimeError):
@@ -254,16 +259,35 @@ class WorkerPool:
                     self._sock.send_multipart(
                         [identity, self._codec.encode(Shutdown())], zmq.NOBLOCK
                     )
-        deadline = time.monotonic() + 5.0
-        for proc in self._procs.values():
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        for identity, proc in self._procs.items():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                stop_process(proc)
+                self._kill_stuck(identity, proc)
         self._sock.close()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+
+    def _kill_stuck(self, identity: bytes, proc: subprocess.Popen[bytes]) -> None:
+        """A worker still running after its ``Shutdown``: it missed the message or hangs
+        on its way out. SIGTERM would only start its own drain deadline (longer than the
+        launcher waits for this engine), so it is killed, after writing its Python stacks
+        to the log (SIGUSR1, ``common/logs.py``) to show where it was."""
+        logger.warning(
+            "%s (pid %d) still running %.0f s after its shutdown; its stacks follow, then it "
+            "is killed",
+            self._who(identity),
+            proc.pid,
+            _SHUTDOWN_WAIT_S,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(_STACKS_WAIT_S)  # the dump's moment, unless it exits meanwhile
+        proc.kill()
+        proc.wait()
 
 
 def _describe_exit(code: int) -> str:

@@ -1,10 +1,14 @@
 """``WorkerPool`` naming the rank that failed: a rank killed mid-collective breaks its
 peers' reads as its sockets close, and a peer's failure report can reach the engine
 before the killed rank's exit is visible. The pool's processes are fakes here (their exit
-codes on a timer); the report comes over the pool's real socket."""
+codes on a timer); the report comes over the pool's real socket. And a worker that does
+not exit after its shutdown (a real process that ignores it) is killed, its stacks
+logged first."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +71,34 @@ def test_a_report_with_no_death_beside_it_names_the_reporter(tmp_path: Path) -> 
     why, took = failure_reported(tmp_path, rank1_dies_after=None)
     assert why.startswith("worker-0 failed: Read error")
     assert PEER_DEATH_GRACE_S <= took < PEER_DEATH_GRACE_S + 0.5
+
+
+# A worker stuck where Shutdown cannot reach it: SIGTERM ignored, stacks on SIGUSR1.
+STUCK_WORKER = """
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_worker_still_running_after_its_shutdown_is_killed_after_its_stacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = TandemConfig(disagg=DisaggConfig(external_workers=True))
+    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=1)
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", STUCK_WORKER], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert stuck.stdout is not None and stuck.stdout.readline() == b"up\n"
+    pool._procs = {b"worker-0": stuck}  # as if the pool had started it
+    started = time.monotonic()
+    pool.shutdown()
+    took = time.monotonic() - started
+    assert stuck.returncode == -9  # killed, not left behind
+    assert 5.0 <= took < 10.0  # its 5 s, the stacks' moment; not the 10 s of a SIGTERM
+    _, stacks = stuck.communicate(timeout=10)
+    assert b"Current thread" in stacks and b"<string>" in stacks  # where it was
+    assert f"worker-0 (pid {stuck.pid}) still running 5 s after its shutdown" in caplog.text
