@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import gguf_source, resolve_model_dir
 from tests.counted_kernels import CountedKernels
@@ -75,8 +75,14 @@ def test_float32_logits_match_transformers_on_the_same_gguf(name: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(directory))
     prompts = [tok(text).input_ids for text in PROMPTS[name]]
-    batch = Batch(model, prompts, torch.float32)
-    logits = batch.step([0] * len(prompts))  # one prefill step of every prompt
+    assert_float32_logits_follow(Batch(model, prompts, torch.float32), ref)
+
+
+def assert_float32_logits_follow(batch: Batch, ref: PreTrainedModel) -> None:
+    """One prefill step of every prompt, then ``DECODE_STEPS`` greedy decode steps of
+    every sequence: after each, every sequence's logits within ``TOL`` of ``ref``'s on
+    the whole sequence."""
+    logits = batch.step([0] * len(batch.seqs))
     for step in range(DECODE_STEPS + 1):
         with torch.no_grad():
             for seq, ours in zip(batch.seqs, logits, strict=True):
@@ -88,7 +94,7 @@ def test_float32_logits_match_transformers_on_the_same_gguf(name: str) -> None:
         starts = [len(s) for s in batch.seqs]
         for seq, row in zip(batch.seqs, logits, strict=True):
             seq.append(int(row.argmax()))
-        logits = batch.step(starts)  # a decode step of every sequence
+        logits = batch.step(starts)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

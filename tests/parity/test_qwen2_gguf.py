@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import ensure_local_gguf_converted
-from tests.parity.test_gguf_models import Batch
+from tests.parity.test_gguf_models import Batch, assert_float32_logits_follow
 from tests.parity.tiny_gguf import LAYERS, write_tiny_qwen2_gguf
 from tests.stack import CPU_WORKERS, TandemStack, completion
 from worker.models.decode_stack import DecodeStack
@@ -29,8 +29,6 @@ from worker.models.quant_linear import QuantLinear
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
-TOL = 1e-3
-DECODE_STEPS = 6
 MAX_TOKENS = 16
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small"]
 
@@ -73,20 +71,7 @@ def test_float32_logits_match_transformers_on_the_same_gguf(
     assert len(biases) == LAYERS and all(b.dtype == torch.float32 for b in biases)
     tok, ref = reference
     prompts = [tok(text).input_ids for text in PROMPTS]
-    batch = Batch(model, prompts, torch.float32)
-    logits = batch.step([0] * len(prompts))
-    for step in range(DECODE_STEPS + 1):
-        with torch.no_grad():
-            for seq, ours in zip(batch.seqs, logits, strict=True):
-                theirs = ref(torch.tensor([seq])).logits[0, -1]
-                diff = (ours - theirs).abs().max().item()
-                assert diff < TOL, f"step {step}: max |logit diff| {diff:.2e}"
-        if step == DECODE_STEPS:
-            break
-        starts = [len(s) for s in batch.seqs]
-        for seq, row in zip(batch.seqs, logits, strict=True):
-            seq.append(int(row.argmax()))
-        logits = batch.step(starts)
+    assert_float32_logits_follow(Batch(model, prompts, torch.float32), ref)
 
 
 def test_served_from_the_file_with_the_greedy_tokens_of_transformers(

@@ -15,8 +15,9 @@ import torch
 
 from tests.counted_kernels import CountedKernels
 from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
-from tests.parity.families import VOCAB, build
-from worker.attention import AttentionMetadata, build_metadata
+from tests.fused_steps import fused_against_python
+from tests.parity.families import build
+from worker.attention import AttentionMetadata
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
@@ -115,47 +116,13 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
     calls = CountedKernels(fused.kernels)
     fused.kernels = calls  # type: ignore[assignment]
 
-    gen = torch.Generator().manual_seed(len(family))
-    lengths = [int(n) for n in torch.randint(3, 14, (17,), generator=gen)]
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
-    shape = model.kv_cache_shape(8 * len(prompts), BLOCK)
-    caches = {
-        side: [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
-        for side in ("fused", "python")
-    }
-
-    def step(
-        side: str, seqs: list[int], tokens: list[list[int]], starts: list[int]
-    ) -> torch.Tensor:
-        counts = [len(t) for t in tokens]
-        ids = torch.tensor([t for ts in tokens for t in ts])
-        pos = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)])
-        meta = build_metadata([blocks[i] for i in seqs], starts, counts, BLOCK, torch.device("cpu"))
-        model.fused_decode = fused if side == "fused" else None
-        with torch.inference_mode():
-            return model(ids, pos, caches[side], meta)
-
-    everyone = list(range(len(prompts)))
-    for side in caches:  # the prompts, in one prefill step: never the fused path
-        step(side, everyone, prompts, [0] * len(prompts))
-    assert taken == [sum(lengths)]
-    batches = ([0], [1, 2], [0, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4], everyone, [16], everyone)
-    for seqs in batches:
-        tokens = [[int(torch.randint(0, VOCAB, (1,), generator=gen))] for _ in seqs]
-        starts = [lengths[i] for i in seqs]
-        out = {side: step(side, seqs, tokens, starts) for side in caches}
-        assert torch.equal(out["fused"], out["python"]), f"decode rows {seqs}"
-        for i in seqs:
-            lengths[i] += 1
-    for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
-        assert torch.equal(fused_cache, python_cache)
-    assert taken[1:] == [len(seqs) for seqs in batches]  # every decode step asked, and taken
+    prefill_tokens, rows = fused_against_python(model, fused, seed=len(family))
+    assert taken == [prefill_tokens, *rows]  # every decode step asked, and taken
     raw_rows = native.decode_rows_max_rows(True) if uses_gemm else 2 if uses_gemv else 0
     assert fused.raw_rows == raw_rows and fused.raw_gemm == uses_gemm
-    assert not uses_gemm or raw_rows > len(everyone)  # the GEMM's: every step on raw rows
-    assert calls.rows == [len(seqs) for seqs in batches if len(seqs) <= raw_rows]
-    assert calls.layers == [len(seqs) for seqs in batches if len(seqs) > raw_rows]
+    assert not uses_gemm or raw_rows > max(rows)  # the GEMM's: every step on raw rows
+    assert calls.rows == [n for n in rows if n <= raw_rows]
+    assert calls.layers == [n for n in rows if n > raw_rows]
 
 
 def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None) -> None:

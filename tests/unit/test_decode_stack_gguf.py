@@ -12,7 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.counted_kernels import CountedKernels
-from tests.parity.families import VOCAB, build
+from tests.fused_steps import fused_against_python
+from tests.parity.families import build
 from tests.unit.test_gguf_linear import random_blocks
 from worker.attention import build_metadata
 from worker.models.decode_stack import DecodeStack
@@ -69,41 +70,7 @@ def test_gguf_projections_with_biases_take_raw_rows_bit_identically(tmp_path: Pa
     calls = CountedKernels(fused.kernels)
     fused.kernels = calls  # type: ignore[assignment]
 
-    gen = torch.Generator().manual_seed(2)
-    lengths = [int(n) for n in torch.randint(3, 14, (17,), generator=gen)]
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
-    shape = model.kv_cache_shape(8 * len(prompts), BLOCK)
-    caches = {
-        side: [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
-        for side in ("fused", "python")
-    }
-
-    def step(
-        side: str, seqs: list[int], tokens: list[list[int]], starts: list[int]
-    ) -> torch.Tensor:
-        counts = [len(t) for t in tokens]
-        ids = torch.tensor([t for ts in tokens for t in ts])
-        pos = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)])
-        meta = build_metadata([blocks[i] for i in seqs], starts, counts, BLOCK, torch.device("cpu"))
-        model.fused_decode = fused if side == "fused" else None
-        with torch.inference_mode():
-            return model(ids, pos, caches[side], meta)
-
-    everyone = list(range(len(prompts)))
-    for side in caches:  # the prompts, in one prefill step: never the fused path
-        step(side, everyone, prompts, [0] * len(prompts))
-    batches = ([0], [1, 2], [0, 3, 4], everyone, [16], everyone)
-    for seqs in batches:
-        tokens = [[int(torch.randint(0, VOCAB, (1,), generator=gen))] for _ in seqs]
-        starts = [lengths[i] for i in seqs]
-        out = {side: step(side, seqs, tokens, starts) for side in caches}
-        assert torch.equal(out["fused"], out["python"]), f"decode rows {seqs}"
-        for i in seqs:
-            lengths[i] += 1
-    for fused_cache, python_cache in zip(caches["fused"], caches["python"], strict=True):
-        assert torch.equal(fused_cache, python_cache)
-    steps = [len(seqs) for seqs in batches]
+    _, steps = fused_against_python(model, fused, seed=2)
     assert calls.rows == (steps if raw else [])
     assert calls.layers == ([] if raw else steps)
 
