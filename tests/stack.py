@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ class TandemStack:
         # outlives a killed pytest.
         self.env = dies_with_this_process({**os.environ, **(env or {})})
         self.log_path = Path(tempfile.mkstemp(prefix="tandem-stack-", suffix=".log")[1])
+        # The log outlives stop() (tests read it after), not this object.
+        self._remove_log = weakref.finalize(self, self.log_path.unlink, missing_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
         self._descendants: list[psutil.Process] = []
 
@@ -174,7 +177,7 @@ class TandemStack:
             self.stop()
         elif (report := self.down_report()) is not None:
             print(report)  # shown beside the failure a stack that died early causes
-        self.log_path.unlink(missing_ok=True)
+        self._remove_log()
 
 
 def completion(url: str, prompt: str | list[int] | list[str], **params: Any) -> dict[str, Any]:
