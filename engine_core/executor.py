@@ -282,8 +282,7 @@ class WorkerPool:
             proc.pid,
             _SHUTDOWN_WAIT_S,
         )
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)  # Popen's: a no-op once it has exited
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(_STACKS_WAIT_S)  # the dump's moment, unless it exits meanwhile
         proc.kill()

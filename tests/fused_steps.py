@@ -8,6 +8,7 @@ import torch
 
 from tests.parity.families import VOCAB
 from worker.attention import build_metadata
+from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM, FusedDecode
 
 BLOCK = 4
@@ -56,3 +57,13 @@ def fused_against_python(model: DecoderLM, fused: FusedDecode, seed: int) -> tup
         assert torch.equal(fused_cache, python_cache)
     model.fused_decode = fused
     return prefill_tokens, [len(seqs) for seqs in batches]
+
+
+def takes_gguf_raw_rows(fused: DecodeStack) -> bool:
+    """Asserts that a stack over GGUF projections sends decode_rows as many rows as its
+    QuantLinears fuse wherever this build takes raw rows (AVX512-BF16), none elsewhere;
+    returns whether it takes them here."""
+    raw = bool(fused.kernels.decode_rows_max_rows(False) > 0)
+    assert fused.raw_gguf
+    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
+    return raw

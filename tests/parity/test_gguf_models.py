@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import gguf_source, resolve_model_dir
 from tests.counted_kernels import CountedKernels
+from tests.fused_steps import takes_gguf_raw_rows
 from tests.parity.test_real_models_http import PROMPTS
 from worker.attention import AttentionMetadata, build_metadata
 from worker.models.base import CausalLM
@@ -112,9 +113,8 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical(rows: int) -> None:
     assert fused.gguf_fused_max_rows == (GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS)
     # The layers' projections are all Q4_1 and have no bias: decode_rows takes the steps
     # where it takes any.
-    raw = kernels.decode_rows_max_rows(False) > 0
-    assert fused.raw_gguf and not fused.raw_gemm
-    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
+    raw = takes_gguf_raw_rows(fused)
+    assert not fused.raw_gemm
     taken: list[int] = []
     takes = fused.takes
 

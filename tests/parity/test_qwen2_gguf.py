@@ -19,15 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from common.model_files import ensure_local_gguf_converted
-from tests.parity.test_gguf_models import Batch, assert_float32_logits_follow
+from tests.fused_steps import takes_gguf_raw_rows
+from tests.parity.test_gguf_models import Batch, assert_float32_logits_follow, quantized
 from tests.parity.tiny_gguf import LAYERS, write_tiny_qwen2_gguf
 from tests.stack import CPU_WORKERS, TandemStack, completion
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
-from worker.models.loader import load_model
 from worker.models.quant_linear import QuantLinear
-from worker.native import load_native_kernels
-from worker.ops import NativeOps
 
 MAX_TOKENS = 16
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small"]
@@ -51,19 +49,10 @@ def reference(tiny_gguf: Path) -> tuple[Any, PreTrainedModel]:
     return tok, model.eval()
 
 
-def quantized(path: Path, dtype: torch.dtype) -> DecoderLM:
-    ops = NativeOps(load_native_kernels())
-    model = load_model(
-        ensure_local_gguf_converted(path), dtype, torch.device("cpu"), ops, None, path
-    )
-    assert isinstance(model, DecoderLM)
-    return model
-
-
 def test_float32_logits_match_transformers_on_the_same_gguf(
     tiny_gguf: Path, reference: tuple[Any, PreTrainedModel]
 ) -> None:
-    model = quantized(tiny_gguf, torch.float32)
+    model = quantized(str(tiny_gguf), torch.float32)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     kinds = Counter(t for m in linears for t in m.type_names)
     assert kinds == {"Q4_0": 7 * LAYERS, "Q8_0": 1}  # q, k, v, o, gate, up, down; LM head
@@ -100,11 +89,10 @@ def test_served_from_the_file_with_the_greedy_tokens_of_transformers(
 def test_bf16_decode_steps_take_the_raw_rows_with_their_biases(tiny_gguf: Path) -> None:
     """The DecodeStack a real Qwen2 GGUF gets: every projection GGUF, q/k/v biases in
     float32, and decode_rows for the steps where this CPU takes raw rows (AVX512-BF16)."""
-    model = quantized(tiny_gguf, torch.bfloat16)
+    model = quantized(str(tiny_gguf), torch.bfloat16)
+    assert isinstance(model, DecoderLM)
     fused = model.fused_decode
     assert isinstance(fused, DecodeStack)
     biases = [b for b in fused.biases if b is not None]
     assert len(biases) == LAYERS and all(b.dtype == torch.float32 for b in biases)
-    raw = load_native_kernels().decode_rows_max_rows(False) > 0
-    assert fused.raw_gguf
-    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
+    takes_gguf_raw_rows(fused)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.counted_kernels import CountedKernels
-from tests.fused_steps import fused_against_python
+from tests.fused_steps import fused_against_python, takes_gguf_raw_rows
 from tests.parity.families import build
 from tests.unit.test_gguf_linear import random_blocks
 from worker.attention import build_metadata
@@ -63,10 +63,8 @@ def test_gguf_projections_with_biases_take_raw_rows_bit_identically(tmp_path: Pa
     biases = [b for b in fused.biases if b is not None]
     # qkv's bias in every layer, float32 as QuantLinear holds it; o has none in Qwen2
     assert len(biases) == model.num_layers and all(b.dtype == torch.float32 for b in biases)
-    kernels = load_native_kernels()
-    raw = kernels.decode_rows_max_rows(False) > 0
-    assert fused.raw_gguf and not fused.raw_gemm
-    assert fused.raw_rows == (fused.gguf_fused_max_rows if raw else 0)
+    raw = takes_gguf_raw_rows(fused)
+    assert not fused.raw_gemm
     calls = CountedKernels(fused.kernels)
     fused.kernels = calls  # type: ignore[assignment]
 
