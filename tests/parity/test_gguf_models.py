@@ -178,3 +178,37 @@ def test_bf16_prefill_past_the_fused_rows_stays_near_float32(name: str) -> None:
     clear = top2[:, 0] - top2[:, 1] > 1.0
     assert clear.sum() >= 3
     assert torch.equal(logits.argmax(-1)[clear], reference.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_bf16_decode_steps_stay_near_float32(name: str) -> None:
+    """Decode steps of the parity prompts together, in bfloat16 on the repacked quants
+    where the CPU has the GEMM (Gemma's Q4_K and Q6_K from one row on), each fed float32's
+    greedy token: every step's logits within bfloat16's drift of float32's, and its next
+    token float32's wherever float32's lead is clear of that drift."""
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(name)))
+    prompts = [tok(text).input_ids for text in PROMPTS[name]]
+    model = quantized(name, torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    gemm = load_native_kernels().gguf_gemm_packs(int(GGMLQuantizationType.Q6_K))
+    assert all((s.gemm is not None) == gemm for m in layers for s in m.segments)
+    sides = {
+        "float32": Batch(quantized(name, torch.float32), prompts, torch.float32),
+        "bfloat16": Batch(model, prompts, torch.bfloat16),
+    }
+    starts = [0] * len(prompts)
+    clear_steps = 0
+    for step in range(DECODE_STEPS):
+        logits = {side: batch.step(starts) for side, batch in sides.items()}
+        reference = logits["float32"]
+        drift = (logits["bfloat16"] - reference).abs().max().item()
+        assert drift < 0.05 * reference.abs().max().item(), f"step {step}: {drift:.2f}"
+        top2 = reference.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1.0
+        clear_steps += int(clear.sum())
+        assert torch.equal(logits["bfloat16"].argmax(-1)[clear], reference.argmax(-1)[clear])
+        starts = [len(s) for s in sides["float32"].seqs]
+        for batch in sides.values():
+            for seq, row in zip(batch.seqs, reference, strict=True):
+                seq.append(int(row.argmax()))
+    assert clear_steps >= DECODE_STEPS * len(prompts) // 2

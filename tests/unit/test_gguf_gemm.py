@@ -1,6 +1,6 @@
 """The GGUF GEMM for many bfloat16 rows (``worker/csrc/gguf_gemm.cpp``): quants repacked
-once into bf16_gemm's layout, every product exact, each block's scale (and min) applied per
-lane. Checked against gguf-py's dequantization (one-hot rows pick single weights, which
+once into bf16_gemm's layout (K-quants by their sub-blocks), every product exact, each
+block's scales (and min) applied per lane. Checked against gguf-py's dequantization (one-hot rows pick single weights, which
 must come out exactly), against a float64 matmul, for a row's independence of the other
 rows of its call, through ``QuantLinear``, and where it exists."""
 
@@ -18,6 +18,7 @@ from worker.native import NativeKernels, kernel_arch, load_native_kernels
 
 BLOCK_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+EVERY_FORMAT = BLOCK_32 + K_QUANTS
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,11 @@ def has_gemm() -> bool:
     return kernel_arch() == "native" and cpu_has("avx512_bf16") and cpu_has("avx512bw")
 
 
-def test_the_gemm_exists_for_the_32_weight_formats_where_the_cpu_has_avx512_bf16(
+def test_the_gemm_exists_for_every_format_where_the_cpu_has_avx512_bf16(
     kernels: NativeKernels,
 ) -> None:
-    assert [kernels.gguf_gemm_packs(int(q)) for q in BLOCK_32] == [has_gemm()] * len(BLOCK_32)
-    assert not any(kernels.gguf_gemm_packs(int(q)) for q in K_QUANTS)
+    packs = [kernels.gguf_gemm_packs(int(q)) for q in EVERY_FORMAT]
+    assert packs == [has_gemm()] * len(EVERY_FORMAT)
 
 
 # The GEMM is compiled only for CPUs with AVX512-BF16 (a native build: the portable levels
@@ -53,9 +54,11 @@ def packed(
 
 
 @needs_gemm
-@pytest.mark.parametrize("qtype", BLOCK_32, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", EVERY_FORMAT, ids=lambda q: q.name)
 def test_the_gemm_reads_each_weight_exactly(kernels: NativeKernels, qtype: Q) -> None:
-    """One-hot rows: each output is one weight, scale times quant (plus min), exactly."""
+    """One-hot rows: each output is one weight, scale times quant (plus min), exactly.
+    The columns fall in both halves of Q6_K's 16-weight sub-blocks and in several of the
+    K-quants' 32-weight ones."""
     in_features, out_features = 256, 43  # 43: a group of 32 and a padded one
     blocks = torch.from_numpy(random_blocks(qtype, out_features, in_features, seed=3))
     columns = [0, 1, 15, 16, 17, 31, 32, 100, 255]
@@ -68,11 +71,12 @@ def test_the_gemm_reads_each_weight_exactly(kernels: NativeKernels, qtype: Q) ->
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows", [3, 5, 12, 13, 25, 33])
-@pytest.mark.parametrize("qtype", BLOCK_32, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 13, 25, 33])
+@pytest.mark.parametrize("qtype", EVERY_FORMAT, ids=lambda q: q.name)
 def test_the_gemm_against_float64(kernels: NativeKernels, qtype: Q, rows: int) -> None:
     """Exact products: only the float32 sums' roundings separate it from float64. Row
-    counts past one tile of 12 and uneven splits (13: 7 + 6; 25: 9 + 8 + 8)."""
+    counts past one tile of 12 and uneven splits (13: 7 + 6; 25: 9 + 8 + 8); one row goes
+    to the GEMM only for the K-quants (the others read the file's blocks there)."""
     in_features, out_features = 512, 75
     blocks = torch.from_numpy(random_blocks(qtype, out_features, in_features, seed=rows))
     weight = torch.from_numpy(reference(blocks.numpy(), qtype)).double()
@@ -139,18 +143,24 @@ def test_a_packed_weight_of_another_shape_is_refused(kernels: NativeKernels) -> 
 
 
 def test_a_format_without_the_gemm_is_refused(kernels: NativeKernels) -> None:
-    """On every CPU: K-quants never, and nothing where the build has no GEMM."""
-    with pytest.raises(RuntimeError, match="no kernel for type"):
-        kernels.gguf_gemm_pack(torch.from_numpy(random_blocks(Q.Q6_K, 4, 256)), int(Q.Q6_K), 256)
+    """On every CPU a format with no kernel here (Q2_K), and where the build has no GEMM,
+    every format."""
+    blocks = torch.zeros(4, 84, dtype=torch.uint8)  # Q2_K: 84 bytes a block of 256
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kernels.gguf_gemm_pack(blocks, int(Q.Q2_K), 256)
+    if not has_gemm():
+        with pytest.raises(RuntimeError, match="no kernel for type"):
+            kernels.gguf_gemm_pack(torch.from_numpy(random_blocks(Q.Q6_K, 4, 256)), 14, 256)
 
 
 @needs_gemm
-@pytest.mark.parametrize("qtype", BLOCK_32, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", EVERY_FORMAT, ids=lambda q: q.name)
 def test_fewer_rows_keep_the_blocks_as_they_ship(kernels: NativeKernels, qtype: Q) -> None:
     """The repacked copy is for two rows on (Q4_0/1, a nibble a quant) or three (a byte a
     quant, more than the blocks hold): fewer read the file's blocks, so their results
-    are those without it, and from there on they are the GEMM's."""
-    first = 2 if qtype in (Q.Q4_0, Q.Q4_1) else 3
+    are those without it, and from there on they are the GEMM's. The K-quants take it from
+    one row (their blocks are unpacked a weight at a time)."""
+    first = 1 if qtype in K_QUANTS else 2 if qtype in (Q.Q4_0, Q.Q4_1) else 3
     assert kernels.gguf_gemm_min_rows(int(qtype)) == first
     blocks = torch.from_numpy(random_blocks(qtype, 64, 256, seed=11))
     gemm = packed(kernels, qtype, blocks, 256)

@@ -177,22 +177,27 @@ inline void scale_min_k4(int j, const uint8_t* s, int* scale, int* min) {
 template <bool kFiveBits>
 struct QK45 {
   static constexpr int64_t kWeights = 256, kBytes = kFiveBits ? 176 : 144;
-  static void dequant(const uint8_t* b, float* out) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
+  // Sub-block g's 32 quants (0..15, or 0..31 with the fifth bit), its d * scale and its
+  // dmin * min: weight l is scale * q[l] - min.
+  static void sub_block(const uint8_t* b, int g, int* q, float* scale, float* min) {
+    int sc, mn;
+    scale_min_k4(g, b + 4, &sc, &mn);
+    *scale = half_at(b) * static_cast<float>(sc);
+    *min = half_at(b + 2) * static_cast<float>(mn);
     const uint8_t* qh = b + 16;  // Q5_K only
-    const uint8_t* qs = b + (kFiveBits ? 48 : 16);
+    const uint8_t* qs = b + (kFiveBits ? 48 : 16) + 32 * (g / 2);
+    const int shift = 4 * (g % 2);
+    for (int l = 0; l < 32; ++l) {
+      q[l] = (qs[l] >> shift) & 0x0F;
+      if (kFiveBits) q[l] |= ((qh[l] >> g) & 1) << 4;
+    }
+  }
+  static void dequant(const uint8_t* b, float* out) {
     for (int g = 0; g < 8; ++g) {
-      int sc, mn;
-      scale_min_k4(g, scales, &sc, &mn);
-      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
-      const uint8_t* q = qs + 32 * (g / 2);
-      const int shift = 4 * (g % 2);
-      for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> shift) & 0x0F;
-        if (kFiveBits) v |= ((qh[l] >> g) & 1) << 4;
-        out[32 * g + l] = dl * static_cast<float>(v) - ml;
-      }
+      int q[32];
+      float dl, ml;
+      sub_block(b, g, q, &dl, &ml);
+      for (int l = 0; l < 32; ++l) out[32 * g + l] = dl * static_cast<float>(q[l]) - ml;
     }
   }
 };
@@ -200,22 +205,26 @@ struct QK45 {
 // Q6_K: 16 sub-blocks of 16, (d * scale) * (q - 32).
 struct Q6_K {
   static constexpr int64_t kWeights = 256, kBytes = 210;
+  // The 32 quants (q - 32: -32..31) of weights 32 g to 32 g + 31 (g of 8).
+  static void group(const uint8_t* b, int g, int* q) {
+    const int half = g / 4;
+    const uint8_t* lo = b + 64 * half + 32 * (g % 2);
+    const int lo_shift = 4 * ((g % 4) / 2);
+    const uint8_t* hi = b + 128 + 32 * half;
+    const int hi_shift = 2 * (g % 4);
+    for (int l = 0; l < 32; ++l)
+      q[l] = (((lo[l] >> lo_shift) & 0x0F) | (((hi[l] >> hi_shift) & 3) << 4)) - 32;
+  }
+  // d * scale of sub-block s (of 16): weights 16 s to 16 s + 15.
+  static float scale(const uint8_t* b, int s) {
+    return half_at(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[s]);
+  }
   static void dequant(const uint8_t* b, float* out) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
-    for (int g = 0; g < 8; ++g) {  // 8 groups of 32 weights
-      const int half = g / 4;
-      const uint8_t* lo = ql + 64 * half + 32 * (g % 2);
-      const int lo_shift = 4 * ((g % 4) / 2);
-      const uint8_t* hi = qh + 32 * half;
-      const int hi_shift = 2 * (g % 4);
-      for (int l = 0; l < 32; ++l) {
-        const int q = (((lo[l] >> lo_shift) & 0x0F) | (((hi[l] >> hi_shift) & 3) << 4)) - 32;
-        const int e = 32 * g + l;
-        out[e] = (d * static_cast<float>(scales[e / 16])) * static_cast<float>(q);
-      }
+    for (int g = 0; g < 8; ++g) {
+      int q[32];
+      group(b, g, q);
+      for (int l = 0; l < 32; ++l)
+        out[32 * g + l] = scale(b, (32 * g + l) / 16) * static_cast<float>(q[l]);
     }
   }
 };
