@@ -19,7 +19,8 @@
 // lookups and two products per weight) measured slower here than the float32 path, so it
 // takes that path, as do the K-quants and CPUs without AVX512-BF16 (the caller converts x).
 // Where the quants were also repacked for gguf_gemm.cpp (a bfloat16 model), that GEMM
-// takes Q4_0/1 from two rows and the others from three (gguf_gemm_min_rows).
+// takes Q4_0/1 from two rows, the K-quants from one and the others from three
+// (gguf_gemm_min_rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -5,9 +5,9 @@
 // bfloat16's 2, so the step reads ~3x fewer bytes. Each output row is dequantized into a
 // float32 buffer (in L1: a row is at most a few thousand weights) and dotted with every
 // input row, 16 lanes at a time; the products are summed in float32 and rounded once.
-// Bfloat16 rows of the 32-weight formats go to gguf_bf16_dot.cpp (one or two rows, the
-// file's blocks) or gguf_gemm.cpp (from gguf_gemm_min_rows, a repacked copy) instead,
-// where the CPU has AVX512-BF16; others are converted to float32 and come here.
+// Bfloat16 rows go to gguf_bf16_dot.cpp (one or two rows of the 32-weight formats, the
+// file's blocks) or gguf_gemm.cpp (from gguf_gemm_min_rows, a repacked copy; every format)
+// instead, where the CPU has AVX512-BF16; others are converted to float32 and come here.
 //
 // Dequantization follows gguf-py's (the code transformers loads GGUF files with)
 // operation for operation, without fused multiply-adds (the build passes

@@ -4,8 +4,8 @@ puts them in a loaded model in place of its projections.
 The weights stay in the file's blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, ...), so a decode
 step reads ~3x fewer bytes than in bfloat16. Up to ``fused_max_rows`` rows (decode
 steps) go to the native ``gguf_linear``: a bfloat16 row or two dotted with the blocks as
-they are, more with the quants repacked for a GEMM (a bfloat16 model, the 32-weight
-formats), else each weight row dequantized in cache and dotted with every input row in
+they are, more (the K-quants: from one) with the quants repacked for a GEMM (a bfloat16
+model), else each weight row dequantized in cache and dotted with every input row in
 float32. Larger batches (prefill chunks) compute in the activations' dtype over the weight
 dequantized for the call, where the matmul's cost dwarfs the dequantization: for a bfloat16
 model where ``bf16_gemm`` takes the projections (AVX512-BF16, no AMX), on it, a group of its
