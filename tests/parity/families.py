@@ -93,12 +93,13 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
-def build(family: str, path: Path) -> PreTrainedModel:
-    """Save a random checkpoint of ``family`` (safetensors) into ``path``; return the
-    reference model reloaded from it in float32."""
+def build(family: str, path: Path, **overrides: Any) -> PreTrainedModel:
+    """Save a random checkpoint of ``family`` (safetensors) into ``path``, its config's
+    fields changed by ``overrides``; return the reference model reloaded from it in
+    float32."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = config_cls(**{**_BASE, **extra})
+    config = config_cls(**{**_BASE, **extra, **overrides})
     model = model_cls(config)
     with torch.no_grad():  # Gemma's norms start at zero: make them matter
         for name, p in model.named_parameters():

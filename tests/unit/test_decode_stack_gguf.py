@@ -1,13 +1,15 @@
 """The fused decode step over GGUF projections with biases (Qwen2's q/k/v, as a Qwen2.5
 GGUF holds them in float32) against the Python layers: a tiny random Qwen2 whose every
-layer projection is a ``QuantLinear`` over random Q4_0 blocks. Bit-identical hidden states
-and KV caches for decode steps of 1 to 17 rows, every step through ``decode_rows`` where
-this host takes raw rows (AVX512-BF16), else through ``decode_layers``."""
+layer projection is a ``QuantLinear`` over random Q4_0 blocks, or over K-quants as a
+Q4_K_M file mixes them (Q4_K, Q5_K, Q6_K). Bit-identical hidden states and KV caches for
+decode steps of 1 to 17 rows, every step through ``decode_rows`` where this host takes raw
+rows (AVX512-BF16), else through ``decode_layers``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -33,10 +35,17 @@ PROJECTIONS = (
 )
 
 
-def quantized_qwen2(tmp_path: Path) -> DecoderLM:
-    """The tiny Qwen2 in bfloat16, its layers' projections swapped for Q4_0 blocks (the
-    checkpoint's biases kept, as ``quantize_linears`` keeps them)."""
-    build("qwen2", tmp_path)
+# The block type of each of PROJECTIONS: Q4_0 throughout, or K-quants (whose 256-weight
+# blocks need in_features of whole blocks: the tiny Qwen2 widened to 256, its MLP to 512).
+Q4_0 = (Q.Q4_0,) * 4
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
+WIDTHS = {Q4_0: {}, K_QUANTS: {"hidden_size": 256, "intermediate_size": 512}}
+
+
+def quantized_qwen2(tmp_path: Path, types: tuple[Q, ...] = Q4_0) -> DecoderLM:
+    """The tiny Qwen2 in bfloat16, its layers' projections swapped for GGUF blocks of
+    ``types`` (the checkpoint's biases kept, as ``quantize_linears`` keeps them)."""
+    build("qwen2", tmp_path, **WIDTHS[types])
     kernels = load_native_kernels()
     ops = NativeOps(kernels)
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), ops)
@@ -44,20 +53,23 @@ def quantized_qwen2(tmp_path: Path) -> DecoderLM:
     seed = 0
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)
-        for parent_name, name in PROJECTIONS:
+        for (parent_name, name), qtype in zip(PROJECTIONS, types, strict=True):
             parent = getattr(layer, parent_name)
             linear = getattr(parent, name)
             out, width = linear.out_features, linear.in_features
-            blocks = torch.from_numpy(random_blocks(Q.Q4_0, out, width, seed))
-            weight = GgufWeight(f"{name}{seed}", int(Q.Q4_0), "Q4_0", blocks, width)
+            blocks = torch.from_numpy(random_blocks(qtype, out, width, seed))
+            weight = GgufWeight(f"{name}{seed}", int(qtype), qtype.name, blocks, width)
             setattr(parent, name, QuantLinear([weight], linear.bias, kernels, True))
             seed += 1
     model.fused_decode = DecodeStack.build(model, ops)
     return model
 
 
-def test_gguf_projections_with_biases_take_raw_rows_bit_identically(tmp_path: Path) -> None:
-    model = quantized_qwen2(tmp_path)
+@pytest.mark.parametrize("types", [Q4_0, K_QUANTS], ids=["Q4_0", "K-quants"])
+def test_gguf_projections_with_biases_take_raw_rows_bit_identically(
+    tmp_path: Path, types: tuple[Q, ...]
+) -> None:
+    model = quantized_qwen2(tmp_path, types)
     fused = model.fused_decode
     assert isinstance(fused, DecodeStack)
     biases = [b for b in fused.biases if b is not None]
