@@ -39,7 +39,10 @@ PROJECTIONS = (
 # blocks need in_features of whole blocks: the tiny Qwen2 widened to 256, its MLP to 512).
 Q4_0 = (Q.Q4_0,) * 4
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
-WIDTHS = {Q4_0: {}, K_QUANTS: {"hidden_size": 256, "intermediate_size": 512}}
+WIDTHS: dict[tuple[Q, ...], dict[str, int]] = {
+    Q4_0: {},
+    K_QUANTS: {"hidden_size": 256, "intermediate_size": 512},
+}
 
 
 def quantized_qwen2(tmp_path: Path, types: tuple[Q, ...] = Q4_0) -> DecoderLM:
