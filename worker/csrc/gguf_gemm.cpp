@@ -1,9 +1,9 @@
-// GGUF projections for many bfloat16 rows (a bfloat16 model's decode steps of 2 or 3 on)
-// on AVX512-BF16 CPUs: y = x W^T (+ b), float32 out, with the quants of every format
-// repacked once, at load, into bf16_gemm's layout: the 32-weight formats (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) by their blocks, the K-quants by their sub-blocks (Q4_K and Q5_K: 32
-// weights with a scale and a min, as Q4_1 and Q5_1; Q6_K: 16 weights with a scale, two to
-// a block of 32).
+// GGUF projections for many bfloat16 rows (a bfloat16 model's decode steps from
+// gguf_gemm_min_rows on) on AVX512-BF16 CPUs: y = x W^T (+ b), float32 out, with the
+// quants of every format repacked once, at load, into bf16_gemm's layout: the 32-weight
+// formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) by their blocks, the K-quants by their sub-blocks
+// (Q4_K and Q5_K: 32 weights with a scale and a min, as Q4_1 and Q5_1; Q6_K: 16 weights
+// with a scale, two to a block of 32).
 //
 // Without it gguf_linear.cpp dequantizes each block to float32 and dots it with float32
 // rows: two float FMAs per 32 products, ~2.4x a bfloat16 step's time at 32 rows, and the
@@ -18,12 +18,11 @@
 //
 // The packed weight, per group of 32 outputs (zeros past out_features), per block of 32
 // inputs: the quants [16 K pairs][2 vectors][16 outputs][2 inputs] (a nibble each for the
-// 4-bit formats, an int8 for the others: 0.75 or 1.25 bytes a weight with the scales), then
+// 4-bit formats, a byte for the others: 0.75 or 1.25 bytes a weight with the scales), then
 // the 32 scales as float32 (Q6_K: 2 x 32, a scale per half block), then the 32 mins where
-// the format has them. A group is read as
-// one ascending stream. A block's quants are widened to bfloat16 once into an L1 buffer and
-// used by every row of the call, in tiles of up to kTileRows rows whose block sums stay in
-// registers.
+// the format has them. A group is read as one ascending stream. A block's quants are
+// widened to bfloat16 once into an L1 buffer and used by every row of the call, in tiles of
+// up to kTileRows rows whose block sums stay in registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -156,15 +155,14 @@ inline __m512bh widen(const uint8_t* q) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     const __m512i index = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
     return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_load_si512(kTable.data()));
-  } else if constexpr (P::kIndexBits == 5) {
-    alignas(64) static constexpr auto kTable = bf16_table<32>([](int i) { return i - P::kCentre; });
-    const __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_load_si512(kTable.data()));
-  } else if constexpr (P::kIndexBits == 6) {
-    alignas(64) static constexpr auto kTable = bf16_table<64>([](int i) { return i - P::kCentre; });
-    const __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    return (__m512bh)_mm512_permutex2var_epi16(_mm512_load_si512(kTable.data()), index,
-                                               _mm512_load_si512(kTable.data() + 32));
+  } else if constexpr (P::kIndexBits == 5 || P::kIndexBits == 6) {
+    alignas(64) static constexpr auto kTable =
+        bf16_table<1 << P::kIndexBits>([](int i) { return i - P::kCentre; });
+    const __m512i index =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m512i low = _mm512_load_si512(kTable.data());
+    if constexpr (P::kIndexBits == 5) return (__m512bh)_mm512_permutexvar_epi16(index, low);
+    return (__m512bh)_mm512_permutex2var_epi16(low, index, _mm512_load_si512(kTable.data() + 32));
   } else {
     const auto* p = reinterpret_cast<const __m128i*>(q);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
@@ -329,7 +327,8 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
                   "gguf_gemm: the packed weight does not hold [", out_features, ", ", in, "]");
       const auto* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
       std::vector<float> xsum;  // each row's sum of x over each block, for the mins
-      if constexpr (Packing<F>::kHasOffset) xsum = bf16_block_sums(bits, rows * blocks, kBlockWeights);
+      if constexpr (Packing<F>::kHasOffset)
+        xsum = bf16_block_sums(bits, rows * blocks, kBlockWeights);
       const auto* xs = reinterpret_cast<const uint32_t*>(bits);
       const uint8_t* w = packed.data_ptr<uint8_t>();
       float* out = y.data_ptr<float>();
