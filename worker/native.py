@@ -171,6 +171,7 @@ class NativeKernels(Protocol):
         type: int,
         bias: torch.Tensor | None,
         packed: torch.Tensor | None = None,
+        bf16_out: bool = False,
     ) -> torch.Tensor: ...
 
     def gguf_has_bf16_rows(self, type: int, rows: int) -> bool: ...

@@ -169,3 +169,22 @@ def test_fewer_rows_keep_the_blocks_as_they_ship(kernels: NativeKernels, qtype: 
         with_copy = kernels.gguf_linear(x, blocks, int(qtype), None, gemm)
         without = kernels.gguf_linear(x, blocks, int(qtype), None)
         assert torch.equal(with_copy, without) == (rows < first), rows
+
+
+@pytest.mark.parametrize("qtype", EVERY_FORMAT, ids=lambda q: q.name)
+def test_bfloat16_out_is_the_float32_product_rounded_once(kernels: NativeKernels, qtype: Q) -> None:
+    """``bf16_out`` on every path (the blocks as they ship, the GEMM where this CPU has
+    it, float32 rows), full and partial groups of 32 outputs, bias or not: bit for bit
+    the float32 product rounded to bfloat16, as ``Tensor.to`` rounds it."""
+    in_features, out_features = 512, 75
+    blocks = torch.from_numpy(random_blocks(qtype, out_features, in_features, seed=5))
+    gemm = packed(kernels, qtype, blocks, in_features) if has_gemm() else None
+    gen = torch.Generator().manual_seed(int(qtype))
+    bias = torch.randn(out_features, generator=gen)
+    for rows in (1, 2, 3, 12, 33):
+        x = torch.randn(rows, in_features, generator=gen)
+        for xs, b in ((x.to(torch.bfloat16), bias), (x.to(torch.bfloat16), None), (x, bias)):
+            product = kernels.gguf_linear(xs, blocks, int(qtype), b, gemm)
+            rounded = kernels.gguf_linear(xs, blocks, int(qtype), b, gemm, True)
+            assert product.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+            assert torch.equal(rounded, product.to(torch.bfloat16)), (rows, b is None)

@@ -60,7 +60,8 @@ at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, const 
   if (x.size(0) <= fused_max_rows) {
     const at::Tensor rows =
         x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-    return gguf_linear(rows, blocks, type, bias, gemm).to(x.scalar_type());
+    const bool bf16 = x.scalar_type() == at::kBFloat16;  // rounded once, as .to() would
+    return gguf_linear(rows, blocks, type, bias, gemm, bf16).to(x.scalar_type());
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());

@@ -220,6 +220,28 @@ void tile_rows(int height, const __m512bh* w, const uint32_t* x, int64_t pairs,
 
 // Every row of x against one group: block by block, the block's quants widened once,
 // then the rows in as few tiles as kTileRows allows, of even heights.
+// One group's sums (plus the bias) into its outputs of y, as T (bfloat16 rounded to
+// nearest even, as c10 rounds).
+template <typename T>
+void write_group(const float* acc, const float* bias, int64_t rows, int64_t first,
+                 int64_t out_features, T* y) {
+  const int64_t valid = std::min(kGroup, out_features - first);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * kGroup;
+    T* out = y + r * out_features + first;
+    if (valid == kGroup) {
+      for (int64_t v = 0; v < kGroup; v += 16) {
+        __m512 s = _mm512_loadu_ps(a + v);
+        if (bias != nullptr) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + first + v));
+        tandem::store_lanes(out + v, s);
+      }
+    } else {
+      for (int64_t o = 0; o < valid; ++o)
+        out[o] = T(a[o] + (bias != nullptr ? bias[first + o] : 0.0f));
+    }
+  }
+}
+
 template <typename F>
 void group_rows(const uint8_t* group, const uint32_t* x, int64_t rows, int64_t pairs,
                 const float* xsum, int64_t blocks, float* acc) {
@@ -307,13 +329,17 @@ at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_fea
 }
 
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                     int64_t out_features, const float* bias) {
+                     int64_t out_features, const float* bias, bool bf16_out) {
   TORCH_CHECK(gguf_gemm_packs(type), "gguf_gemm: no kernel for type ", type, " here");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                   x.device().is_cpu(),
               "gguf_gemm: x is a contiguous CPU bfloat16 [rows, in] tensor");
   const int64_t rows = x.size(0), in = x.size(1);
-  at::Tensor y = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  // bfloat16 out halves what a wide head writes: Gemma's 262,144 outputs at 32 rows are
+  // 33.5 MB in float32, past glibc's largest mmap threshold, so a fresh mapping (8,192 page
+  // faults) every call, then a pass to round it.
+  at::Tensor y =
+      at::empty({rows, out_features}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (rows == 0) return y;  // no tiles to split the rows into
 #if TANDEM_HAS_GGUF_GEMM
   with_format(type, [&](auto format) {
@@ -331,7 +357,6 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
         xsum = bf16_block_sums(bits, rows * blocks, kBlockWeights);
       const auto* xs = reinterpret_cast<const uint32_t*>(bits);
       const uint8_t* w = packed.data_ptr<uint8_t>();
-      float* out = y.data_ptr<float>();
       // As bf16_gemm's groups: a thread that loses its core leaves its last groups to
       // the other (tandem::parallel_steal).
       tandem::parallel_steal(groups, [&](int64_t g, int64_t) {
@@ -339,16 +364,16 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type
         acc.assign(rows * kGroup, 0.0f);
         group_rows<F>(w + g * packed.size(1), xs, rows, in / 2,
                       xsum.empty() ? nullptr : xsum.data(), blocks, acc.data());
-        const int64_t first = g * kGroup, valid = std::min(kGroup, out_features - first);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t o = 0; o < valid; ++o)
-            out[r * out_features + first + o] =
-                acc[r * kGroup + o] + (bias != nullptr ? bias[first + o] : 0.0f);
+        if (bf16_out)
+          write_group(acc.data(), bias, rows, g * kGroup, out_features,
+                      y.data_ptr<at::BFloat16>());
+        else
+          write_group(acc.data(), bias, rows, g * kGroup, out_features, y.data_ptr<float>());
       });
     }
   });
 #else
-  (void)packed, (void)bias;
+  (void)packed, (void)bias, (void)bf16_out;
 #endif
   return y;
 }

@@ -173,7 +173,7 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& packed) {
+                       const std::optional<at::Tensor>& packed, bool bf16_out) {
   TORCH_CHECK(x.device().is_cpu() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.is_contiguous(),
@@ -187,9 +187,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
   }
   if (x.scalar_type() == at::kBFloat16) {
     if (packed.has_value() && packed->numel() > 0 && M >= gguf_gemm_min_rows(type))
-      return gguf_gemm(x, *packed, type, N, b);
-    if (gguf_has_bf16_rows(type, M)) return gguf_linear_bf16_rows(x, weight, type, b);
-    return gguf_linear(x.to(at::kFloat), weight, type, bias);
+      return gguf_gemm(x, *packed, type, N, b, bf16_out);
+    const at::Tensor y = gguf_has_bf16_rows(type, M) ? gguf_linear_bf16_rows(x, weight, type, b)
+                                                     : gguf_linear(x.to(at::kFloat), weight, type, bias);
+    return bf16_out ? y.to(at::kBFloat16) : y;
   }
   at::Tensor out = at::empty({M, N}, x.options());
   with_format(type, [&](auto format) {
@@ -225,5 +226,5 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
           for (int64_t n = begin; n < end; ++n) y[m * N + n] += b[n];
     });
   });
-  return out;
+  return bf16_out ? out.to(at::kBFloat16) : out;
 }

@@ -51,21 +51,24 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 // true)), bias).
 at::Tensor gguf_bf16_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                             const std::optional<at::Tensor>& bias);
+// bf16_out: the float32 product rounded to bfloat16 (the GEMM writes it so directly).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& packed = std::nullopt);
+                       const std::optional<at::Tensor>& packed = std::nullopt,
+                       bool bf16_out = false);
 // The bfloat16-row path of gguf_linear (gguf_bf16_dot.cpp): whether this build takes that
 // many rows of a ggml type there, and the product (float32 [rows, out]) where it does.
 bool gguf_has_bf16_rows(int64_t type, int64_t rows);
 at::Tensor gguf_linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                                  const float* bias);
 // The many-bfloat16-row path of gguf_linear (gguf_gemm.cpp): whether this build repacks a
-// ggml type's quants for it, the repacked weight, and the product (float32 [rows, out]).
+// ggml type's quants for it, the repacked weight, and the product ([rows, out], float32 or,
+// bf16_out, rounded to bfloat16).
 bool gguf_gemm_packs(int64_t type);
 int64_t gguf_gemm_min_rows(int64_t type);  // gguf_linear takes the GEMM from this many rows
 at::Tensor gguf_gemm_pack(const at::Tensor& weight, int64_t type, int64_t in_features);
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                     int64_t out_features, const float* bias);
+                     int64_t out_features, const float* bias, bool bf16_out);
 // decode_layers' and decode_rows' per-layer argument layout: norms[2 l + i], the
 // projections [4 l + i], biases[2 l + i].
 constexpr size_t kNormsPerLayer = 2;    // input, post-attention

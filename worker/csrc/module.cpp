@@ -44,9 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none());
   m.def("gguf_linear", &gguf_linear,
         "x W^T + b for float32 or bfloat16 rows, W as GGUF blocks (and, for bfloat16 rows "
-        "from gguf_gemm_min_rows, as gguf_gemm_pack repacked them); float32 out",
+        "from gguf_gemm_min_rows, as gguf_gemm_pack repacked them); float32 out, or (bf16_out) "
+        "bfloat16 rounded once from it",
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none(),
-        py::arg("packed") = py::none());
+        py::arg("packed") = py::none(), py::arg("bf16_out") = false);
   m.def("gguf_gemm_packs", &gguf_gemm_packs,
         "whether this build repacks this GGUF type for bfloat16 rows from gguf_gemm_min_rows "
         "(AVX512-BF16, 32-weight formats)",

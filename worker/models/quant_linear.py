@@ -126,7 +126,10 @@ class QuantLinear(nn.Module):
             rows = (flat if flat.dtype == torch.bfloat16 else flat.float()).contiguous()
             if len(self.segments) == 1:  # as decode_stack.cpp's gguf_projection does
                 (s,) = self.segments
-                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias, s.gemm)
+                # bfloat16 rounded once from the float32 product, in the kernel: a wide
+                # head's float32 product is a large fresh allocation every step
+                bf16 = x.dtype == torch.bfloat16
+                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias, s.gemm, bf16)
             else:
                 outs = [
                     self.kernels.gguf_linear(rows, s.data, s.type, None, s.gemm)
