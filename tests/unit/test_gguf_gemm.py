@@ -1,8 +1,9 @@
 """The GGUF GEMM for many bfloat16 rows (``worker/csrc/gguf_gemm.cpp``): quants repacked
 once into bf16_gemm's layout (K-quants by their sub-blocks), every product exact, each
-block's scales (and min) applied per lane. Checked against gguf-py's dequantization (one-hot rows pick single weights, which
-must come out exactly), against a float64 matmul, for a row's independence of the other
-rows of its call, through ``QuantLinear``, and where it exists."""
+block's scales (and min) applied per lane. Checked against gguf-py's dequantization
+(one-hot rows pick single weights, which must come out exactly), against a float64
+matmul, for a row's independence of the other rows of its call, through ``QuantLinear``,
+and where it exists."""
 
 from __future__ import annotations
 
@@ -150,7 +151,9 @@ def test_a_format_without_the_gemm_is_refused(kernels: NativeKernels) -> None:
         kernels.gguf_gemm_pack(blocks, int(Q.Q2_K), 256)
     if not has_gemm():
         with pytest.raises(RuntimeError, match="no kernel for type"):
-            kernels.gguf_gemm_pack(torch.from_numpy(random_blocks(Q.Q6_K, 4, 256)), 14, 256)
+            kernels.gguf_gemm_pack(
+                torch.from_numpy(random_blocks(Q.Q6_K, 4, 256)), int(Q.Q6_K), 256
+            )
 
 
 @needs_gemm

@@ -57,13 +57,12 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
 at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& gemm,
                            int64_t type, const std::optional<at::Tensor>& bias,
                            int64_t fused_max_rows) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (x.size(0) <= fused_max_rows) {
-    const at::Tensor rows =
-        x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;  // rounded once, as .to() would
+    const at::Tensor rows = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+    // bfloat16 rows: the product rounded once in the kernel, as .to() would round it
     return gguf_linear(rows, blocks, type, bias, gemm, bf16).to(x.scalar_type());
   }
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());
   std::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());

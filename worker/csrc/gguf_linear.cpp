@@ -188,8 +188,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
   if (x.scalar_type() == at::kBFloat16) {
     if (packed.has_value() && packed->numel() > 0 && M >= gguf_gemm_min_rows(type))
       return gguf_gemm(x, *packed, type, N, b, bf16_out);
-    const at::Tensor y = gguf_has_bf16_rows(type, M) ? gguf_linear_bf16_rows(x, weight, type, b)
-                                                     : gguf_linear(x.to(at::kFloat), weight, type, bias);
+    const at::Tensor y = gguf_has_bf16_rows(type, M)
+                             ? gguf_linear_bf16_rows(x, weight, type, b)
+                             : gguf_linear(x.to(at::kFloat), weight, type, bias);
     return bf16_out ? y.to(at::kBFloat16) : y;
   }
   at::Tensor out = at::empty({M, N}, x.options());
