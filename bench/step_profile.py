@@ -34,7 +34,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -136,7 +136,7 @@ class FusedLabel:
     """A ``FusedDecode`` whose calls are labelled in the profile."""
 
     def __init__(self, fused: FusedDecode, call: Callable[..., torch.Tensor]) -> None:
-        self.rope, self._fused, self._call = fused.rope, fused, call
+        self._fused, self._call = fused, call
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return self._fused.takes(meta, num_tokens)
@@ -144,12 +144,11 @@ class FusedLabel:
     def __call__(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return self._call(x, cos, sin, kv_caches, meta)
+        return self._call(x, rope, kv_caches, meta)
 
 
 def label_ops(runner: ModelRunner) -> None:

@@ -126,7 +126,7 @@ class NativeKernels(Protocol):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     ) -> None: ...
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def act_mul(self, gate_up: torch.Tensor, activation: int) -> torch.Tensor: ...
 
     def apply_token_bitmask_(self, logits: torch.Tensor, mask: torch.Tensor) -> None: ...
 
@@ -218,13 +218,17 @@ class NativeKernels(Protocol):
         biases: list[torch.Tensor | None],
         gguf_types: list[int],
         gguf_packed: list[torch.Tensor],
+        gemma_norms: bool,
+        qk_norms: bool,
+        sandwich_norms: bool,
+        activation: int,
         kv_caches: list[torch.Tensor],
         windows: list[int],
         slots: torch.Tensor,
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: list[torch.Tensor],
+        sin: list[torch.Tensor],
         heads: int,
         kv_heads: int,
         head_dim: int,

@@ -3,8 +3,8 @@
 ``TorchOps`` runs everything as PyTorch ops (any device); ``NativeOps`` runs Tandem's C++
 CPU kernels (``worker/csrc``, built by ``worker/native.py``) for decode attention,
 bfloat16 prefill attention (AVX512-BF16 without AMX), KV writes, RoPE, RMSNorm (with the
-residual add before it) and SwiGLU, falling back to the PyTorch code where it has no
-kernel (e.g. GeGLU). ``pick_ops`` chooses by ``--attention-backend`` and device; the
+residual add before it), SwiGLU and GeGLU, falling back to the PyTorch code where it has
+no kernel (another activation). ``pick_ops`` chooses by ``--attention-backend`` and device; the
 model is constructed with the result and every layer calls it, so the choice lives in
 one place.
 """
@@ -106,6 +106,9 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
     "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
+# The activations the native act_mul computes, by its code (worker/csrc/kernels.h's
+# Activation): silu, and GeGLU's tanh-approximated gelu as x * sigmoid(2 c (x + 0.044715 x^3)).
+NATIVE_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 
 class TorchOps:
@@ -252,9 +255,10 @@ class NativeOps(TorchOps):
         return self.kernels.add_rms_norm(x.contiguous(), add.contiguous(), weight, eps, gemma)
 
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        if activation != "silu":  # the one activation with a kernel; GeGLU stays PyTorch
+        code = NATIVE_ACTIVATIONS.get(activation)
+        if code is None:
             return super().act_mul(gate_up, activation)
-        return self.kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
+        return self.kernels.act_mul(gate_up.reshape(-1, gate_up.shape[-1]), code).view(
             *gate_up.shape[:-1], gate_up.shape[-1] // 2
         )
 

@@ -27,6 +27,9 @@ from worker.ops import NativeOps
 
 BLOCK = 4
 FUSED = ["llama", "llama-gqa3", "llama-mqa", "llama3-rope", "qwen2"]  # qwen2: q/k/v biases
+# decode_rows alone: Qwen3's q/k norms; Gemma3's (1 + w) norms, q/k and sandwich norms,
+# GeGLU, sliding windows and two RoPEs
+OTHER_SHAPES = ["qwen3", "gemma3"]
 
 
 class NoGemvOps(NativeOps):
@@ -67,11 +70,6 @@ def load(family: str, tmp_path: Path, kernels: str = "host") -> DecoderLM:
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_not_for_models_of_another_shape(family: str, tmp_path: Path) -> None:
-    assert load(family, tmp_path).fused_decode is None
-
-
 def test_not_in_float32(tmp_path: Path) -> None:
     build("llama", tmp_path)
     ops = NativeOps(load_native_kernels())
@@ -93,7 +91,7 @@ def test_only_over_prepacked_projections(tmp_path: Path) -> None:
 def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path: Path) -> None:
     model = load(family, tmp_path, kernels)
     fused = model.fused_decode
-    assert fused is not None
+    assert isinstance(fused, DecodeStack) and fused.llama_shaped
     native = load_native_kernels()
     ops = OPS[kernels](native)
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -104,6 +102,52 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
     assert uses_gemm == (kernels == "host" and native.bf16_gemm_packs())
     # where the GEMM takes every batch there is no GEMV, and no plain copy of a weight
     assert not (uses_gemm and (uses_gemv or any(m.weight is not None for m in linears)))
+    taken, calls = count_calls(fused)
+    prefill_tokens, rows = fused_against_python(model, fused, seed=len(family))
+    assert taken == [prefill_tokens, *rows]  # every decode step asked, and taken
+    raw_rows = native.decode_rows_max_rows(True) if uses_gemm else 2 if uses_gemv else 0
+    assert fused.raw_rows == raw_rows and fused.raw_gemm == uses_gemm
+    assert not uses_gemm or raw_rows > max(rows)  # the GEMM's: every step on raw rows
+    assert calls.rows == [n for n in rows if n <= raw_rows]
+    assert calls.layers == [n for n in rows if n > raw_rows]
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("kernels", list(OPS))
+@pytest.mark.parametrize("family", OTHER_SHAPES)
+def test_other_shapes_take_decode_rows_bit_identically(
+    family: str, kernels: str, tmp_path: Path
+) -> None:
+    """Layers decode_layers does not run: the steps decode_rows takes (any on the GEMM, one
+    or two on the GEMV) bit-identical to the Python layers, the others left to them, and no
+    stack at all where decode_rows takes no rows (oneDNN alone)."""
+    model = load(family, tmp_path, kernels)
+    native = load_native_kernels()
+    ops = OPS[kernels](native)
+    uses_gemm = ops.packing.code == BF16_GEMM_CODE
+    raw_rows = (
+        native.decode_rows_max_rows(True)
+        if uses_gemm
+        else 2
+        if ops.small_batch_linear is not None
+        else 0
+    )
+    fused = model.fused_decode
+    if raw_rows == 0:
+        assert fused is None
+        return
+    assert isinstance(fused, DecodeStack) and not fused.llama_shaped
+    assert fused.raw_rows == raw_rows
+    taken, calls = count_calls(fused)
+    prefill_tokens, rows = fused_against_python(model, fused, seed=len(family))
+    assert taken == [prefill_tokens, *rows]  # every decode step asked
+    assert calls.rows == [n for n in rows if n <= raw_rows]
+    assert calls.layers == []  # the others ran through the Python layers
+
+
+def count_calls(fused: DecodeStack) -> tuple[list[int], CountedKernels]:
+    """Counts, from now on, the rows of each step ``fused`` is asked to take, and its
+    kernels' calls."""
     taken: list[int] = []
     takes = fused.takes
 
@@ -112,17 +156,9 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
         return takes(meta, num_tokens)
 
     fused.takes = counted  # type: ignore[method-assign]
-    assert isinstance(fused, DecodeStack)
     calls = CountedKernels(fused.kernels)
     fused.kernels = calls  # type: ignore[assignment]
-
-    prefill_tokens, rows = fused_against_python(model, fused, seed=len(family))
-    assert taken == [prefill_tokens, *rows]  # every decode step asked, and taken
-    raw_rows = native.decode_rows_max_rows(True) if uses_gemm else 2 if uses_gemv else 0
-    assert fused.raw_rows == raw_rows and fused.raw_gemm == uses_gemm
-    assert not uses_gemm or raw_rows > max(rows)  # the GEMM's: every step on raw rows
-    assert calls.rows == [n for n in rows if n <= raw_rows]
-    assert calls.layers == [n for n in rows if n > raw_rows]
+    return taken, calls
 
 
 def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None) -> None:
@@ -142,13 +178,17 @@ def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None)
         [None, None],
         gguf_types or [],
         [torch.empty(0, dtype=torch.uint8)] * len(gguf_types or []),
+        False,
+        False,
+        False,
+        0,
         [cache],
         [0],
         slots,
         table,
         lens,
-        rope,
-        rope,
+        [rope],
+        [rope],
         1,
         1,
         8,

@@ -102,7 +102,7 @@ def test_the_bias_is_added(tmp_path: Path) -> None:
     def run() -> torch.Tensor:
         caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(model.num_layers)]
         with torch.inference_mode():
-            return fused(x.to(torch.bfloat16), cos, sin, caches, meta)
+            return fused(x.to(torch.bfloat16), {"default": (cos, sin)}, caches, meta)
 
     with_biases = run()
     fused.biases = [None] * len(fused.biases)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker.native import load_native_kernels
-from worker.ops import TorchOps
+from worker.ops import ACTIVATIONS, NATIVE_ACTIVATIONS, TorchOps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,17 +47,28 @@ def test_rotary_in_place_equals_the_torch_rotary(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("activation", sorted(NATIVE_ACTIVATIONS))
+def test_act_mul_matches_torch(activation: str, dtype: torch.dtype) -> None:
+    """Every activation with a code, against PyTorch's own: 100 columns (six vectors and a
+    scalar tail), values out to +-12 (where GeGLU's cubic term sends exp past float32's
+    range) and exact zeros."""
     kernels = load_native_kernels()
-    gate_up = (torch.randn(6, 2 * 96) * 3).to(dtype)
-    gate, up = gate_up.split(96, dim=-1)
-    expected = torch.nn.functional.silu(gate) * up
-    ours = kernels.silu_mul(gate_up)
+    gate_up = (torch.randn(6, 2 * 100) * 4).clamp(-12, 12)
+    gate_up[0, :8] = torch.tensor([-12.0, -11.0, -9.5, 0.0, 12.0, 11.0, 9.5, -0.0])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.split(100, dim=-1)
+    expected = ACTIVATIONS[activation](gate) * up
+    ours = kernels.act_mul(gate_up, NATIVE_ACTIVATIONS[activation])
     if dtype == torch.float32:
-        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
-    else:
-        step = 2.0**-7 * expected.float().abs().clamp_min(1e-3)  # one bfloat16 step
-        assert ((ours.float() - expected.float()).abs() <= step).all()
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    else:  # the activation and the product each rounded: at most two bfloat16 steps
+        step = 2.0**-7 * expected.float().abs().clamp_min(1e-3)
+        assert ((ours.float() - expected.float()).abs() <= 2 * step).all()
+
+
+def test_act_mul_refuses_an_unknown_activation() -> None:
+    with pytest.raises(RuntimeError, match="unknown activation code 7"):
+        load_native_kernels().act_mul(torch.zeros(2, 8), 7)
 
 
 def test_every_kernel_refuses_tensors_off_the_cpu() -> None:
@@ -68,7 +79,7 @@ def test_every_kernel_refuses_tensors_off_the_cpu() -> None:
             torch.empty(2, 1, 2, 8, 8, device="meta"), torch.zeros(4, dtype=torch.long), meta, meta
         ),
         "rotary": lambda: kernels.rotary_(meta, torch.ones(4, 8), torch.ones(4, 8), 2),
-        "silu_mul": lambda: kernels.silu_mul(torch.empty(4, 16, device="meta")),
+        "act_mul": lambda: kernels.act_mul(torch.empty(4, 16, device="meta"), 0),
         "rms_norm": lambda: kernels.rms_norm(meta, torch.ones(8), 1e-6, False),
         "decode_attention": lambda: kernels.decode_attention(
             meta, torch.zeros(2, 1, 2, 16, 8), torch.zeros(4, 1, dtype=torch.long),

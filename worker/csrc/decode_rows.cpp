@@ -54,7 +54,7 @@ bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && t
 
 // One layer's weights, as raw pointers.
 struct LayerWeights {
-  const Bf16* norm[kNormsPerLayer];
+  const Bf16* norm[kMaxNormsPerLayer];  // by NormSlot
   const Bf16* weight[kLinearsPerLayer];
   const Bf16* bias[kBiasesPerLayer];
   const at::Tensor* gguf_bias[kBiasesPerLayer];  // GGUF projections': float32, or null
@@ -115,19 +115,23 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<int64_t>& gguf_types,
-                       const std::vector<at::Tensor>& gguf_packed,
+                       const std::vector<at::Tensor>& gguf_packed, bool gemma_norms,
+                       bool qk_norms, bool sandwich_norms, int64_t activation,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                       const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                       double scale) {
+                       const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                       double eps, double scale) {
   const size_t layers = kv_caches.size();
-  TORCH_CHECK(layers > 0 && norms.size() == layers * kNormsPerLayer &&
+  const size_t norms_per_layer = decode_rows_norms_per_layer(qk_norms, sandwich_norms);
+  const Activation act = activation_of(activation);
+  TORCH_CHECK(layers > 0 && norms.size() == layers * norms_per_layer &&
                   projections.size() == layers * kLinearsPerLayer &&
-                  biases.size() == layers * kBiasesPerLayer && windows.size() == layers,
-              "decode_rows: per layer ", kNormsPerLayer, " norms, ", kLinearsPerLayer,
-              " weights, ", kBiasesPerLayer, " biases, a cache and a window");
+                  biases.size() == layers * kBiasesPerLayer && windows.size() == layers &&
+                  cos.size() == layers && sin.size() == layers,
+              "decode_rows: per layer ", norms_per_layer, " norms, ", kLinearsPerLayer,
+              " weights, ", kBiasesPerLayer, " biases, a cache, a window and its cos and sin");
   TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
   const int64_t n = x_in.size(0), hidden = x_in.size(1);
   // GGUF projections: gguf_types[i] is projection i's ggml type, projections[i] its blocks
@@ -179,12 +183,19 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
       weights[l].bias[i] = b && !gguf ? b->data_ptr<Bf16>() : nullptr;
       weights[l].gguf_bias[i] = b && gguf ? &*b : nullptr;
     }
-    for (size_t i = 0; i < kNormsPerLayer; ++i) {
-      const at::Tensor& norm = norms[l * kNormsPerLayer + i];
-      TORCH_CHECK(is_bf16(norm) && norm.numel() == hidden,
-                  "decode_rows: a norm's weight must be contiguous bfloat16 [hidden]");
-      weights[l].norm[i] = norm.data_ptr<Bf16>();
+    for (size_t i = 0; i < norms_per_layer; ++i) {
+      const at::Tensor& norm = norms[l * norms_per_layer + i];
+      // The q and k norms come last, over one head each.
+      const bool per_head = qk_norms && i >= norms_per_layer - 2;
+      const size_t slot = per_head ? kQNorm + (i - (norms_per_layer - 2)) : i;
+      TORCH_CHECK(is_bf16(norm) && norm.numel() == (per_head ? head_dim : hidden),
+                  "decode_rows: a norm's weight must be contiguous bfloat16 [",
+                  per_head ? "head_dim" : "hidden", "]");
+      weights[l].norm[slot] = norm.data_ptr<Bf16>();
     }
+    TORCH_CHECK(is_bf16(cos[l]) && is_bf16(sin[l]) && cos[l].numel() == n * head_dim &&
+                    sin[l].numel() == n * head_dim,
+                "decode_rows: cos and sin must be contiguous bfloat16 [n, head_dim]");
     const at::Tensor& cache = kv_caches[l];
     TORCH_CHECK(is_bf16(cache) && cache.dim() == 5 && cache.size(0) == 2 &&
                     cache.size(1) == kv_caches[0].size(1) && cache.size(2) == kv_heads &&
@@ -192,9 +203,6 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                 "decode_rows: every kv cache must be contiguous bfloat16 [2, num_blocks, ",
                 kv_heads, ", ", block_size, ", ", head_dim, "]");
   }
-  TORCH_CHECK(is_bf16(cos) && is_bf16(sin) && cos.numel() == n * head_dim &&
-                  sin.numel() == n * head_dim,
-              "decode_rows: cos and sin must be contiguous bfloat16 [n, head_dim]");
 
   // Once for every layer: what write_kv and decode_attention check on each call.
   const int64_t num_blocks = kv_caches[0].size(1), num_slots = num_blocks * block_size;
@@ -235,11 +243,21 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         project(x_rows, w.weight[i], biased ? w.bias[i] : nullptr, y, n, out, in);
     };
     Bf16* cache = kv_caches[l].data_ptr<Bf16>();
+    const auto norm = [&](const Bf16* rows, const Bf16* add, size_t slot, Bf16* out,
+                          Bf16* residual, int64_t count, int64_t width) {
+      rms_norm_bf16(rows, add, w.norm[slot], out, residual, count, width, eps, gemma_norms);
+    };
     // Attention.forward
-    rms_norm_bf16(x_cur, nullptr, w.norm[0], r.h, nullptr, n, hidden, eps);
+    norm(x_cur, nullptr, kInputNorm, r.h, nullptr, n, hidden);
     linear(0, r.h, r.qkv, qkv_dim, hidden);
-    rotary_bf16(r.qkv, qkv_dim, cos.data_ptr<Bf16>(), sin.data_ptr<Bf16>(), n, heads + kv_heads,
-                head_dim);
+    if (qk_norms)  // each head of q, then of k, in place: rotary reads them next
+      for (int64_t i = 0; i < n; ++i) {
+        Bf16* row = r.qkv + i * qkv_dim;
+        norm(row, nullptr, kQNorm, row, nullptr, heads, head_dim);
+        norm(row + q_dim, nullptr, kKNorm, row + q_dim, nullptr, kv_heads, head_dim);
+      }
+    rotary_bf16(r.qkv, qkv_dim, cos[l].data_ptr<Bf16>(), sin[l].data_ptr<Bf16>(), n,
+                heads + kv_heads, head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
                   reinterpret_cast<const char*>(r.qkv + q_dim), qkv_dim * sizeof(Bf16),
                   reinterpret_cast<const char*>(r.qkv + q_dim + kv_heads * head_dim),
@@ -252,11 +270,18 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});
     linear(1, r.attn, r.o, hidden, q_dim);
-    // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
-    rms_norm_bf16(x_cur, r.o, w.norm[1], r.h, r.residual, n, hidden, eps);
+    if (sandwich_norms) {  // DecoderLayer.forward: x + post(attn), then pre(...) into the MLP
+      norm(r.o, nullptr, kPostAttentionNorm, r.h, nullptr, n, hidden);
+      add_rows(x_cur, r.h, r.residual, n * hidden);
+      norm(r.residual, nullptr, kPreFeedforwardNorm, r.h, nullptr, n, hidden);
+    } else {  // x, h = add_and_norm(x, attn)
+      norm(x_cur, r.o, kPostAttentionNorm, r.h, r.residual, n, hidden);
+    }
     linear(2, r.h, r.gate_up, 2 * inter, hidden);
-    silu_mul_bf16(r.gate_up, r.act, n, inter);
+    act_mul_bf16(r.gate_up, r.act, n, inter, act);
     linear(3, r.act, r.down, hidden, inter);
+    if (sandwich_norms)  // x + post_feedforward(mlp(h)), the norm in place
+      norm(r.down, nullptr, kPostFeedforwardNorm, r.down, nullptr, n, hidden);
     add_rows(r.residual, r.down, x, n * hidden);
     x_cur = x;
   }

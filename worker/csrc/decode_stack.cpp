@@ -130,7 +130,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
     at::Tensor o = proj(1, attn.reshape({n, heads * head_dim}), b[1]);
     // DecoderLayer.forward: x, h = add_and_norm(x, attn); x + mlp(h)
     auto [residual, h] = add_rms_norm(x, o, norm[1], eps, false);
-    at::Tensor act = silu_mul(proj(2, h, std::nullopt));
+    at::Tensor act = act_mul(proj(2, h, std::nullopt), static_cast<int64_t>(Activation::kSilu));
     x = at::add(residual, proj(3, act, std::nullopt));
   }
   return x;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels.h"
 #include "simd.h"
 
 using tandem::check_cpu;
@@ -99,8 +100,18 @@ void rotary_rows(T* data, int64_t stride, const T* c, const T* s, int64_t n, int
   });
 }
 
+// act(x) = x * sigmoid(s(x)): silu s(x) = x; GeGLU's tanh-approximated gelu
+// 0.5 x (1 + tanh(c (x + 0.044715 x^3))) is the same form with s(x) = 2c (x + 0.044715 x^3),
+// since 0.5 (1 + tanh(y)) = sigmoid(2 y). One exp a value either way.
+constexpr float kGeluCubic = 0.044715f;
+constexpr float kGeluTwiceSqrt2OverPi = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+
+inline float sigmoid_input(float x, Activation act) {
+  return act == Activation::kSilu ? x : kGeluTwiceSqrt2OverPi * (x + kGeluCubic * x * x * x);
+}
+
 template <typename T>
-void silu_mul_rows(const T* in, T* dst, int64_t n, int64_t d) {
+void act_mul_rows(const T* in, T* dst, int64_t n, int64_t d, Activation act) {
   at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* g = in + i * 2 * d;
@@ -109,18 +120,23 @@ void silu_mul_rows(const T* in, T* dst, int64_t n, int64_t d) {
       int64_t j = 0;
 #if defined(__AVX512F__)
       using tandem::load_lanes;
+      const bool gelu = act == Activation::kGeluTanh;
+      const __m512 cubic = _mm512_set1_ps(kGeluCubic), scale = _mm512_set1_ps(kGeluTwiceSqrt2OverPi);
       for (; j + tandem::kLanes <= d; j += tandem::kLanes) {
         const __m512 x = load_lanes(g + j);
-        const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 act = tandem::round_lanes<T>(
+        const __m512 s =
+            gelu ? _mm512_mul_ps(scale, _mm512_fmadd_ps(_mm512_mul_ps(cubic, x), _mm512_mul_ps(x, x), x))
+                 : x;
+        const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), s));
+        const __m512 value = tandem::round_lanes<T>(
             _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        tandem::store_lanes(o + j, _mm512_mul_ps(act, load_lanes(u + j)));
+        tandem::store_lanes(o + j, _mm512_mul_ps(value, load_lanes(u + j)));
       }
 #endif
       for (; j < d; ++j) {
         const float x = static_cast<float>(g[j]);
-        const T act = static_cast<T>(x / (1.f + std::exp(-x)));
-        o[j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u[j]));
+        const T value = static_cast<T>(x / (1.f + std::exp(-sigmoid_input(x, act))));
+        o[j] = static_cast<T>(static_cast<float>(value) * static_cast<float>(u[j]));
       }
     }
   });
@@ -133,8 +149,9 @@ void rotary_bf16(c10::BFloat16* x, int64_t stride, const c10::BFloat16* cos,
   rotary_rows(x, stride, cos, sin, n, heads, dim);
 }
 
-void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d) {
-  silu_mul_rows(gate_up, out, n, d);
+void act_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d,
+                  Activation act) {
+  act_mul_rows(gate_up, out, n, d, act);
 }
 
 // In place on the first `heads` heads of x [n, >=heads, dim] (rows contiguous):
@@ -154,16 +171,17 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_
   });
 }
 
-// gate_up [n, 2 * d] -> T(T(silu(gate)) * up), [n, d].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_cpu("silu_mul", gate_up);
+// gate_up [n, 2 * d] -> T(T(act(gate)) * up), [n, d]; act by its Activation code.
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t activation) {
+  check_cpu("act_mul", gate_up);
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [n, 2 * d]");
+  const Activation act = activation_of(activation);
   const int64_t n = gate_up.size(0), d = gate_up.size(1) / 2;
   auto out = at::empty({n, d}, gate_up.options());
-  dispatch_float_types(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
+  dispatch_float_types(gate_up.scalar_type(), "act_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_rows(gate_up.data_ptr<T>(), out.data_ptr<T>(), n, d);
+    act_mul_rows(gate_up.data_ptr<T>(), out.data_ptr<T>(), n, d, act);
   });
   return out;
 }

@@ -21,7 +21,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
-at::Tensor silu_mul(const at::Tensor& gate_up);
+// The gated MLPs' activations, by the code Python passes (worker/ops.py's ACTIVATION_CODES).
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+inline Activation activation_of(int64_t code) {
+  TORCH_CHECK(code == 0 || code == 1, "unknown activation code ", code, " (0 silu, 1 gelu tanh)");
+  return static_cast<Activation>(code);
+}
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t activation);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 at::Tensor argmax_rows(const at::Tensor& x);
 bool has_bf16_gemv();
@@ -95,13 +101,14 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
 // bf16_gemv_rows, that this build has the GEMV).
 void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
                    c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
-                   double eps);
+                   double eps, bool gemma);
 void rotary_bf16(c10::BFloat16* x, int64_t stride, const c10::BFloat16* cos,
                  const c10::BFloat16* sin, int64_t n, int64_t heads, int64_t dim);
 void write_kv_rows(char* cache, const int64_t* slot, int64_t n, int64_t kv_heads,
                    int64_t block_size, int64_t num_slots, int64_t bytes, const char* k_data,
                    int64_t k_stride, const char* v_data, int64_t v_stride);
-void silu_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d);
+void act_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, int64_t d,
+                  Activation act);
 void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t M, int64_t N, int64_t K);
 // bf16_gemm on raw rows of an even in_features (whole bfloat16 pairs), over a weight that
@@ -131,19 +138,34 @@ void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& cont
 // by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; or, where gguf_types is not
 // empty, every projection's GGUF blocks, of type gguf_types[4 l + i], repacked as
 // gguf_packed[4 l + i], on gguf_linear (biases in float32, as QuantLinear holds them; as
-// many rows as the caller's QuantLinears fuse). The other arguments are decode_layers'.
+// many rows as the caller's QuantLinears fuse). Beyond the Llama shape decode_layers takes,
+// the family's layer (DecoderArgs' fields): Gemma's (1 + w) norms (gemma_norms), a norm of
+// each q and k head before RoPE (qk_norms: Qwen3, Gemma3), norms after attention and MLP
+// too (sandwich_norms: Gemma3), the MLP's Activation by code, and each layer's own cos and
+// sin (Gemma3's local and global RoPE). norms[p l + i] is layer l's i-th of p =
+// decode_rows_norms_per_layer: input, post-attention, then (sandwich) pre- and
+// post-feedforward, then (qk) q and k, those [head_dim], the others [hidden]. The other
+// arguments are decode_layers'.
+enum NormSlot : size_t {
+  kInputNorm, kPostAttentionNorm, kPreFeedforwardNorm, kPostFeedforwardNorm, kQNorm, kKNorm,
+  kMaxNormsPerLayer
+};
+inline size_t decode_rows_norms_per_layer(bool qk_norms, bool sandwich_norms) {
+  return 2 + (sandwich_norms ? 2 : 0) + (qk_norms ? 2 : 0);
+}
 int64_t decode_rows_max_rows(bool gemm);
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<int64_t>& gguf_types,
-                       const std::vector<at::Tensor>& gguf_packed,
+                       const std::vector<at::Tensor>& gguf_packed, bool gemma_norms,
+                       bool qk_norms, bool sandwich_norms, int64_t activation,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                       const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                       double scale);
+                       const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                       double eps, double scale);
 
 // tandem::parallel_steal over tasks that wait costs_us[i] microseconds each: per task, how
 // many times it ran and the thread that ran it (tests only).

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm rows (llama or gemma style)");
   m.def("write_kv", &write_kv, "write a step's K and V rows into their cache slots");
   m.def("rotary_", &rotary_, "rotary embedding in place on the first heads");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection");
+  m.def("act_mul", &act_mul, "act(gate) * up of a fused gate_up projection (0 silu, 1 gelu tanh)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm; returns (sum, normed)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "structured outputs: -inf where a token's mask bit is clear, in place");

@@ -73,8 +73,8 @@ void dispatch(const at::Tensor& x, const at::Tensor* add, const at::Tensor& weig
 
 void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
                    c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
-                   double eps) {
-  rms_norm_rows(x, add, weight, out, residual, rows, dim, static_cast<float>(eps), false);
+                   double eps, bool gemma) {
+  rms_norm_rows(x, add, weight, out, residual, rows, dim, static_cast<float>(eps), gemma);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {

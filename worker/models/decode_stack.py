@@ -14,20 +14,25 @@ AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or
 on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
 fuses (``gguf_linear``, on AVX512-BF16 hosts, Qwen2's biases too). It runs the same kernels on
 raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
-of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. Qwen3's q/k norms, Gemma's sandwich
-norms and GeGLU, float32, tensor parallelism and steps holding a prefill keep the Python
+of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. ``decode_rows`` also runs the layers
+of other shapes: Qwen3's q/k norms, and Gemma3's (1 + w) norms, q/k norms, sandwich norms,
+GeGLU and two RoPEs; those models' steps go to it where it takes their rows (on AVX512-BF16
+hosts without AMX: any decode step; elsewhere, or past the rows its GGUF projections fuse,
+the Python layers). Float32, tensor parallelism and steps holding a prefill keep the Python
 layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from worker.attention import AttentionMetadata
-from worker.models.decoder import DecoderLayer, DecoderLM
+from worker.models.decoder import DecoderArgs, DecoderLayer, DecoderLM
 from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
-from worker.ops import NativeOps, Ops
+from worker.ops import NATIVE_ACTIVATIONS, NativeOps, Ops
 
 
 class DecodeStack:
@@ -40,7 +45,13 @@ class DecodeStack:
         self.eps = args.rms_norm_eps
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
-        self.rope = args.layer_ropes[0] if args.layer_ropes else "default"
+        self.ropes = list(args.layer_ropes) or ["default"] * args.num_layers
+        # decode_layers (the tensor path) runs Llama-shaped layers only; the other shapes
+        # (llama_shaped() false) take decode_rows' steps and leave the rest to Python.
+        self.llama_shaped = llama_shaped(args)
+        self.gemma_norms, self.qk_norms = args.norm == "gemma", args.qk_norm
+        self.sandwich_norms = args.sandwich_norms
+        self.activation = NATIVE_ACTIVATIONS[args.activation]
         self.norms: list[torch.Tensor] = []
         self.plain: list[torch.Tensor | None] = []  # per projection: the GEMV's weight
         self.packed: list[torch.Tensor] = []  # per projection: the packed weight
@@ -53,7 +64,14 @@ class DecodeStack:
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            # decode_rows' order (kernels.h's NormSlot): input, post-attention, then the
+            # sandwich's pre- and post-feedforward, then q and k
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if args.sandwich_norms:
+                norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+            if args.qk_norm:
+                assert attn.q_norm is not None and attn.k_norm is not None  # made with qk_norm
+                norms += [attn.q_norm, attn.k_norm]
             self.norms += [norm.weight.detach() for norm in norms]
             linears = [
                 _projection(m)
@@ -98,14 +116,9 @@ class DecodeStack:
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
         """The stack, or None where the fused step does not apply (see the module doc)."""
         args = model.args
-        llama_shaped = (
-            args.norm == "llama"
-            and not args.sandwich_norms
-            and not args.qk_norm
-            and args.activation == "silu"
-            and len(set(args.layer_ropes)) <= 1
-        )
-        if not (llama_shaped and model.tp.size == 1 and isinstance(ops, NativeOps)):
+        if args.activation not in NATIVE_ACTIVATIONS:
+            return None
+        if not (model.tp.size == 1 and isinstance(ops, NativeOps)):
             return None
         layers = list(model.model.layers)
         if model.model.embed_tokens.weight.dtype != torch.bfloat16:
@@ -118,13 +131,17 @@ class DecodeStack:
         ]
         if len(projections) != 4 * len(layers):
             return None  # not packed for oneDNN (no oneDNN), or GGUF blocks of mixed types
-        return DecodeStack(model, ops)
+        stack = DecodeStack(model, ops)
+        # Past Llama's shape only decode_rows runs the layers: no stack where it takes none.
+        return stack if stack.llama_shaped or stack.raw_rows else None
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step is one the stack runs: decodes only."""
+        """Whether this step is one the stack runs: decodes only (of other shapes than
+        Llama's, as many rows as decode_rows takes)."""
         return (
             not meta.prefills
             and num_tokens > 0
+            and (self.llama_shaped or num_tokens <= self.raw_rows)
             and meta.decode_block_table is not None
             and meta.decode_context_lens is not None
         )
@@ -132,29 +149,14 @@ class DecodeStack:
     def __call__(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The embeddings ``x`` through every layer (before the final norm)."""
-        assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-        # The step's caches, metadata and shapes: the last arguments of both entries.
-        step = (
-            kv_caches,
-            self.windows,
-            meta.slot_mapping,
-            meta.decode_block_table,
-            meta.decode_context_lens,
-            cos,
-            sin,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            meta.block_size,
-            self.eps,
-            self.scale,
-        )
+        """The embeddings ``x`` through every layer (before the final norm); ``rope``: each
+        RoPE's (cos, sin) for the step's positions, by name."""
+        table, lens = meta.decode_block_table, meta.decode_context_lens
+        assert table is not None and lens is not None
         if x.shape[0] <= self.raw_rows:
             return self.kernels.decode_rows(
                 x,
@@ -164,8 +166,25 @@ class DecodeStack:
                 self.biases,
                 self.raw_gguf_types,
                 self.raw_gguf_packed,
-                *step,
+                self.gemma_norms,
+                self.qk_norms,
+                self.sandwich_norms,
+                self.activation,
+                kv_caches,
+                self.windows,
+                meta.slot_mapping,
+                table,
+                lens,
+                [rope[name][0] for name in self.ropes],
+                [rope[name][1] for name in self.ropes],
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                meta.block_size,
+                self.eps,
+                self.scale,
             )
+        cos, sin = rope[self.ropes[0]]  # takes() sent only Llama-shaped layers: one RoPE
         return self.kernels.decode_layers(
             x,
             self.norms,
@@ -175,8 +194,32 @@ class DecodeStack:
             self.biases,
             self.gguf_types,
             self.gguf_fused_max_rows,
-            *step,
+            kv_caches,
+            self.windows,
+            meta.slot_mapping,
+            table,
+            lens,
+            cos,
+            sin,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            meta.block_size,
+            self.eps,
+            self.scale,
         )
+
+
+def llama_shaped(args: DecoderArgs) -> bool:
+    """Whether every layer is Llama's (decode_layers' shape): llama-style norms, two a
+    layer, SiLU, one RoPE."""
+    return (
+        args.norm == "llama"
+        and not args.sandwich_norms
+        and not args.qk_norm
+        and args.activation == "silu"
+        and len(set(args.layer_ropes)) <= 1
+    )
 
 
 def _projection(module: object) -> PackedLinear | QuantLinear:

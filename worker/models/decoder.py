@@ -4,6 +4,7 @@ loading is a name lookup."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -182,15 +183,12 @@ class DecoderModel(nn.Module):
 class FusedDecode(Protocol):
     """Every layer of a decode step in one call (``worker/models/decode_stack.py``)."""
 
-    rope: str  # the one RoPE its layers use
-
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
 
     def __call__(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...
@@ -295,8 +293,7 @@ class DecoderLM(CausalLM):
         rope = {name: emb(positions, x.dtype) for name, emb in self.rotary.items()}
         fused = self.fused_decode
         if fused is not None and fused.takes(meta, x.shape[0]):
-            cos, sin = rope[fused.rope]
-            return self.model.norm(fused(x, cos, sin, kv_caches, meta))
+            return self.model.norm(fused(x, rope, kv_caches, meta))
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             cos, sin = rope[self.args.layer_ropes[i]]
             x = layer(x, cos, sin, kv_cache, meta)
