@@ -218,6 +218,7 @@ class NativeKernels(Protocol):
         biases: list[torch.Tensor | None],
         gguf_types: list[int],
         gguf_packed: list[torch.Tensor],
+        gguf_segments: list[int],
         gemma_norms: bool,
         qk_norms: bool,
         sandwich_norms: bool,

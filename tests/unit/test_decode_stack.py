@@ -161,9 +161,16 @@ def count_calls(fused: DecodeStack) -> tuple[list[int], CountedKernels]:
     return taken, calls
 
 
-def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None) -> None:
-    """decode_rows on one zero layer of width 8 (plain weights) and ``rows`` rows; with
-    ``gguf_types``, as if those weights were GGUF blocks."""
+def call_decode_rows(
+    rows: int,
+    gemm: bool,
+    gguf_types: list[int] | None = None,
+    qk_norms: bool = False,
+    activation: int = 0,
+) -> None:
+    """decode_rows on one zero layer of width 8 (plain weights, two norms) and ``rows`` rows;
+    with ``gguf_types``, as if those weights were GGUF blocks; the layer's shape flags as
+    given (sandwich and Gemma norms off)."""
     kernels = load_native_kernels()
     x = torch.zeros(rows, 8, dtype=torch.bfloat16)
     w = torch.zeros(8, 8, dtype=torch.bfloat16)
@@ -178,10 +185,11 @@ def call_decode_rows(rows: int, gemm: bool, gguf_types: list[int] | None = None)
         [None, None],
         gguf_types or [],
         [torch.empty(0, dtype=torch.uint8)] * len(gguf_types or []),
+        [1] * len(gguf_types or []),
         False,
+        qk_norms,
         False,
-        False,
-        0,
+        activation,
         [cache],
         [0],
         slots,
@@ -204,6 +212,13 @@ def test_decode_rows_refuses_more_rows_than_the_gemv_takes() -> None:
         RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows on the GEMV, got {rows}"
     ):
         call_decode_rows(rows, gemm=False)
+
+
+def test_decode_rows_refuses_norms_or_an_activation_its_flags_do_not_name() -> None:
+    with pytest.raises(RuntimeError, match="decode_rows: per layer 4 norms"):
+        call_decode_rows(1, gemm=False, qk_norms=True)  # q and k norms missing
+    with pytest.raises(RuntimeError, match="unknown activation code 5"):
+        call_decode_rows(1, gemm=False, activation=5)
 
 
 def test_decode_rows_takes_any_rows_on_the_gemm() -> None:

@@ -36,45 +36,73 @@ PROJECTIONS = (
 
 
 # The block type of each of PROJECTIONS: Q4_0 throughout, or K-quants (whose 256-weight
-# blocks need in_features of whole blocks: the tiny Qwen2 widened to 256, its MLP to 512).
-Q4_0 = (Q.Q4_0,) * 4
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
-WIDTHS: dict[tuple[Q, ...], dict[str, int]] = {
+# blocks need in_features of whole blocks: the tiny Qwen2 widened to 256, its MLP to 512),
+# or the checkpoint's parts of mixed types (q, k, v; gate, up), as Q4_K_M files mix them:
+# qkv and gate_up then are QuantLinears of two segments each.
+Types = tuple[Q | tuple[Q, ...], ...]
+Q4_0: Types = (Q.Q4_0,) * 4
+K_QUANTS: Types = (Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
+MIXED: Types = ((Q.Q4_0, Q.Q4_0, Q.Q8_0), Q.Q5_0, (Q.Q8_0, Q.Q4_1), Q.Q4_0)
+WIDTHS: dict[Types, dict[str, int]] = {
     Q4_0: {},
     K_QUANTS: {"hidden_size": 256, "intermediate_size": 512},
+    MIXED: {},
 }
 
 
-def quantized_qwen2(tmp_path: Path, types: tuple[Q, ...] = Q4_0) -> DecoderLM:
+def quantized_qwen2(tmp_path: Path, types: Types = Q4_0) -> DecoderLM:
     """The tiny Qwen2 in bfloat16, its layers' projections swapped for GGUF blocks of
-    ``types`` (the checkpoint's biases kept, as ``quantize_linears`` keeps them)."""
+    ``types`` (the checkpoint's biases kept, as ``quantize_linears`` keeps them); a tuple
+    of types makes the projection of the checkpoint's parts, one type each."""
     build("qwen2", tmp_path, **WIDTHS[types])
     kernels = load_native_kernels()
     ops = NativeOps(kernels)
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), ops)
     assert isinstance(model, DecoderLM)
+    attn = model.attention_shape()
+    heads, kv_heads, head_dim = attn
+    part_outputs = {
+        "qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+        "gate_up_proj": [model.args.intermediate_size] * 2,
+    }
     seed = 0
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)
-        for (parent_name, name), qtype in zip(PROJECTIONS, types, strict=True):
+        for (parent_name, name), qtypes in zip(PROJECTIONS, types, strict=True):
             parent = getattr(layer, parent_name)
             linear = getattr(parent, name)
-            out, width = linear.out_features, linear.in_features
-            blocks = torch.from_numpy(random_blocks(qtype, out, width, seed))
-            weight = GgufWeight(f"{name}{seed}", int(qtype), qtype.name, blocks, width)
-            setattr(parent, name, QuantLinear([weight], linear.bias, kernels, True))
-            seed += 1
+            width = linear.in_features
+            kinds = qtypes if isinstance(qtypes, tuple) else (qtypes,)
+            outs = part_outputs[name] if len(kinds) > 1 else [linear.out_features]
+            weights = []
+            for qtype, out in zip(kinds, outs, strict=True):
+                blocks = torch.from_numpy(random_blocks(qtype, out, width, seed))
+                weights.append(GgufWeight(f"{name}{seed}", int(qtype), qtype.name, blocks, width))
+                seed += 1
+            setattr(parent, name, QuantLinear(weights, linear.bias, kernels, True))
     model.fused_decode = DecodeStack.build(model, ops)
     return model
 
 
-@pytest.mark.parametrize("types", [Q4_0, K_QUANTS], ids=["Q4_0", "K-quants"])
+@pytest.mark.parametrize("types", [Q4_0, K_QUANTS, MIXED], ids=["Q4_0", "K-quants", "mixed"])
 def test_gguf_projections_with_biases_take_raw_rows_bit_identically(
-    tmp_path: Path, types: tuple[Q, ...]
+    tmp_path: Path, types: Types
 ) -> None:
     model = quantized_qwen2(tmp_path, types)
     fused = model.fused_decode
+    mixed = types == MIXED
+    if mixed and not fused:  # decode_layers takes no projection of two segments
+        assert load_native_kernels().decode_rows_max_rows(False) == 0
+        return
     assert isinstance(fused, DecodeStack)
+    # qkv and gate_up of two segments each where their parts' types differ
+    segments = {
+        (name.rsplit(".", 1)[-1], len(m.segments))
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear)
+    }
+    two = {"qkv_proj", "gate_up_proj"} if mixed else set()
+    assert segments == {(name, 2 if name in two else 1) for _, name in PROJECTIONS}
     biases = [b for b in fused.biases if b is not None]
     # qkv's bias in every layer, float32 as QuantLinear holds it; o has none in Qwen2
     assert len(biases) == model.num_layers and all(b.dtype == torch.float32 for b in biases)

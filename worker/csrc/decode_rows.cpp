@@ -15,7 +15,9 @@
 // (docs/benchmarks.md); at 64 rows level. Here the same
 // kernels run on raw pointers into one scratch buffer, in the same order on the same
 // values, so the results are bit-identical to decode_layers' tensor path and to the
-// Python layers (tests/unit/test_decode_stack.py).
+// Python layers (tests/unit/test_decode_stack.py). Layers of other shapes than Llama's
+// (Qwen3's q/k norms; Gemma 3's (1 + w), q/k and sandwich norms, GeGLU and two RoPEs) run
+// here too, told by flags (kernels.h), in DecoderLayer.forward's order for them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -60,12 +62,15 @@ struct LayerWeights {
   const at::Tensor* gguf_bias[kBiasesPerLayer];  // GGUF projections': float32, or null
 };
 
-// One projection's GGUF weight: its blocks, its type, the quants gguf_gemm_pack
-// repacked (an empty tensor where it has none) and its float32 bias (null where none).
+// One projection's GGUF weight: `count` segments (consecutive outputs of one ggml type, as
+// QuantLinear.segments), segment s of type types[s] in blocks[s], its quants gguf_gemm_pack
+// repacked in packed[s] (an empty tensor where it has none); the projection's float32 bias
+// (null where none).
 struct GgufWeight {
   const at::Tensor* blocks;
   const at::Tensor* packed;
-  int64_t type;
+  const int64_t* types;
+  size_t count;
   const at::Tensor* bias;
 };
 
@@ -81,21 +86,40 @@ struct Projection {
       bf16_gemv_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
   }
 
-  // QuantLinear.forward for n bfloat16 rows: gguf_linear's product (bias added), rounded.
+  // QuantLinear.forward for n bfloat16 rows: gguf_linear's float32 product of each segment,
+  // the bias added, rounded once.
   void operator()(const Bf16* x, const GgufWeight& w, Bf16* y, int64_t n, int64_t out,
                   int64_t in) const {
     const at::Tensor rows = at::from_blob(const_cast<Bf16*>(x), {n, in}, at::kBFloat16);
-    const std::optional<at::Tensor> bias =
-        w.bias ? std::optional<at::Tensor>(*w.bias) : std::nullopt;
-    const at::Tensor product = gguf_linear(rows, *w.blocks, w.type, bias, *w.packed);
-    const float* p = product.data_ptr<float>();
-    const int64_t count = n * out;
-    int64_t j = 0;
+    if (w.count == 1) {  // the bias added in the kernel, as QuantLinear asks it there
+      const std::optional<at::Tensor> bias =
+          w.bias ? std::optional<at::Tensor>(*w.bias) : std::nullopt;
+      const at::Tensor product = gguf_linear(rows, w.blocks[0], w.types[0], bias, w.packed[0]);
+      const float* p = product.data_ptr<float>();
+      const int64_t count = n * out;
+      int64_t j = 0;
 #if defined(__AVX512F__)
-    for (; j + tandem::kLanes <= count; j += tandem::kLanes)
-      tandem::store_lanes(y + j, _mm512_loadu_ps(p + j));
+      for (; j + tandem::kLanes <= count; j += tandem::kLanes)
+        tandem::store_lanes(y + j, _mm512_loadu_ps(p + j));
 #endif
-    for (; j < count; ++j) y[j] = Bf16(p[j]);
+      for (; j < count; ++j) y[j] = Bf16(p[j]);
+      return;
+    }
+    // Several segments: each one's columns of y; QuantLinear adds the bias to their
+    // concatenated float32 products, then rounds.
+    const float* bias = w.bias ? w.bias->data_ptr<float>() : nullptr;
+    int64_t first = 0;
+    for (size_t s = 0; s < w.count; ++s) {
+      const at::Tensor product = gguf_linear(rows, w.blocks[s], w.types[s], std::nullopt, w.packed[s]);
+      const float* p = product.data_ptr<float>();
+      const int64_t width = w.blocks[s].size(0);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < width; ++j) {
+          const float v = p[r * width + j];
+          y[r * out + first + j] = Bf16(bias ? v + bias[first + j] : v);
+        }
+      first += width;
+    }
   }
 };
 
@@ -115,7 +139,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<int64_t>& gguf_types,
-                       const std::vector<at::Tensor>& gguf_packed, bool gemma_norms,
+                       const std::vector<at::Tensor>& gguf_packed,
+                       const std::vector<int64_t>& gguf_segments, bool gemma_norms,
                        bool qk_norms, bool sandwich_norms, int64_t activation,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,
@@ -126,20 +151,38 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   const size_t layers = kv_caches.size();
   const size_t norms_per_layer = decode_rows_norms_per_layer(qk_norms, sandwich_norms);
   const Activation act = activation_of(activation);
+  const bool gguf = !gguf_types.empty();
   TORCH_CHECK(layers > 0 && norms.size() == layers * norms_per_layer &&
-                  projections.size() == layers * kLinearsPerLayer &&
+                  (gguf || projections.size() == layers * kLinearsPerLayer) &&
                   biases.size() == layers * kBiasesPerLayer && windows.size() == layers &&
                   cos.size() == layers && sin.size() == layers,
               "decode_rows: per layer ", norms_per_layer, " norms, ", kLinearsPerLayer,
               " weights, ", kBiasesPerLayer, " biases, a cache, a window and its cos and sin");
   TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
   const int64_t n = x_in.size(0), hidden = x_in.size(1);
-  // GGUF projections: gguf_types[i] is projection i's ggml type, projections[i] its blocks
-  // and gguf_packed[i] its repacked quants; the caller keeps n within what they all fuse.
-  const bool gguf = !gguf_types.empty();
+  // GGUF projections: projection p is gguf_segments[p] segments, the next ones in order;
+  // segment s is projections[s]'s blocks of ggml type gguf_types[s], repacked as
+  // gguf_packed[s]. The caller keeps n within what they all fuse.
   TORCH_CHECK(!gguf || (!gemm && gguf_types.size() == projections.size() &&
-                        gguf_packed.size() == projections.size()),
-              "decode_rows: GGUF projections take a type and a repacked weight each, not the GEMM");
+                        gguf_packed.size() == projections.size() &&
+                        gguf_segments.size() == layers * kLinearsPerLayer),
+              "decode_rows: GGUF projections take a type and a repacked weight each segment, "
+              "a segment count each projection, not the GEMM");
+  std::vector<size_t> first_segment{0};  // projection p's are [first_segment[p], [p + 1])
+  for (const int64_t count : gguf_segments) {
+    TORCH_CHECK(count >= 1, "decode_rows: a GGUF projection has at least one segment");
+    first_segment.push_back(first_segment.back() + static_cast<size_t>(count));
+  }
+  TORCH_CHECK(!gguf || first_segment.back() == projections.size(),
+              "decode_rows: the GGUF segment counts add up to ", first_segment.back(),
+              ", not the ", projections.size(), " segments given");
+  // Projection p's outputs (its segments' together).
+  const auto outputs = [&](size_t p) {
+    if (!gguf) return projections[p].size(0);
+    int64_t total = 0;
+    for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s) total += projections[s].size(0);
+    return total;
+  };
   TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(gemm)), "decode_rows takes 1 to ",
               decode_rows_max_rows(gemm), " rows", gemm ? " on the GEMM" : " on the GEMV",
               ", got ", n);
@@ -148,7 +191,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   TORCH_CHECK(!project.gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");
   // The raw-row kernels are built for AVX512-BF16 hosts, where the GEMV is.
   TORCH_CHECK(project.gemm || has_bf16_gemv(), "decode_rows: this build has no GEMV");
-  const int64_t inter = projections[2].size(0) / 2;
+  const int64_t inter = outputs(2) / 2;
   const int64_t shapes[kLinearsPerLayer][2] = {
       {qkv_dim, hidden}, {hidden, q_dim}, {2 * inter, hidden}, {hidden, inter}};
   // The GEMM reads x in bfloat16 pairs: every projection's input must hold whole pairs.
@@ -157,15 +200,20 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   std::vector<LayerWeights> weights(layers);
   for (size_t l = 0; l < layers; ++l) {
     for (size_t i = 0; i < kLinearsPerLayer; ++i) {
-      const at::Tensor& w = projections[l * kLinearsPerLayer + i];
+      const size_t p = l * kLinearsPerLayer + i;
       const int64_t out = shapes[i][0], in = shapes[i][1];
       if (gguf) {  // gguf_linear checks the blocks' width against `in` on every call
-        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                        w.size(0) == out,
-                    "decode_rows: layer ", l, " GGUF weight ", i, " must be contiguous uint8 [",
-                    out, ", row bytes]");
+        for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s) {
+          const at::Tensor& w = projections[s];
+          TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                      "decode_rows: layer ", l, " GGUF weight ", i,
+                      " must be contiguous uint8 [outputs, row bytes] segments");
+        }
+        TORCH_CHECK(outputs(p) == out, "decode_rows: layer ", l, " GGUF weight ", i, " has ",
+                    outputs(p), " outputs, not ", out);
         continue;
       }
+      const at::Tensor& w = projections[p];
       TORCH_CHECK(project.gemm ? bf16_gemm_holds(w, out, in)
                                : is_bf16(w) && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
                   "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [", out,
@@ -187,11 +235,11 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
       const at::Tensor& norm = norms[l * norms_per_layer + i];
       // The q and k norms come last, over one head each.
       const bool per_head = qk_norms && i >= norms_per_layer - 2;
-      const size_t slot = per_head ? kQNorm + (i - (norms_per_layer - 2)) : i;
+      const size_t which = per_head ? kQNorm + (i - (norms_per_layer - 2)) : i;
       TORCH_CHECK(is_bf16(norm) && norm.numel() == (per_head ? head_dim : hidden),
                   "decode_rows: a norm's weight must be contiguous bfloat16 [",
                   per_head ? "head_dim" : "hidden", "]");
-      weights[l].norm[slot] = norm.data_ptr<Bf16>();
+      weights[l].norm[which] = norm.data_ptr<Bf16>();
     }
     TORCH_CHECK(is_bf16(cos[l]) && is_bf16(sin[l]) && cos[l].numel() == n * head_dim &&
                     sin[l].numel() == n * head_dim,
@@ -234,18 +282,21 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     const auto linear = [&](size_t i, const Bf16* x_rows, Bf16* y, int64_t out, int64_t in) {
       const size_t at = l * kLinearsPerLayer + i;
       const bool biased = i < kBiasesPerLayer;  // qkv and o
-      if (gguf)
+      if (gguf) {
+        const size_t first = first_segment[at];
         project(x_rows,
-                GgufWeight{&projections[at], &gguf_packed[at], gguf_types[at],
-                           biased ? w.gguf_bias[i] : nullptr},
+                GgufWeight{&projections[first], &gguf_packed[first], &gguf_types[first],
+                           first_segment[at + 1] - first, biased ? w.gguf_bias[i] : nullptr},
                 y, n, out, in);
+      }
       else
         project(x_rows, w.weight[i], biased ? w.bias[i] : nullptr, y, n, out, in);
     };
     Bf16* cache = kv_caches[l].data_ptr<Bf16>();
-    const auto norm = [&](const Bf16* rows, const Bf16* add, size_t slot, Bf16* out,
+    // RMSNorm by this layer's norm `which` (a NormSlot), in the model's style.
+    const auto norm = [&](const Bf16* rows, const Bf16* add, NormSlot which, Bf16* out,
                           Bf16* residual, int64_t count, int64_t width) {
-      rms_norm_bf16(rows, add, w.norm[slot], out, residual, count, width, eps, gemma_norms);
+      rms_norm_bf16(rows, add, w.norm[which], out, residual, count, width, eps, gemma_norms);
     };
     // Attention.forward
     norm(x_cur, nullptr, kInputNorm, r.h, nullptr, n, hidden);

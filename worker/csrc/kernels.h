@@ -99,6 +99,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
 // making a tensor per op cost more than the op: each computes exactly what its tensor
 // entry point above computes, which checks its arguments; these check nothing (but
 // bf16_gemv_rows, that this build has the GEMV).
+// rms_norm_bf16 may write out over x: each row is read whole before it is written.
 void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* weight,
                    c10::BFloat16* out, c10::BFloat16* residual, int64_t rows, int64_t dim,
                    double eps, bool gemma);
@@ -136,9 +137,10 @@ void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& cont
 // two on the GEMV) where every projection runs on one kernel over raw rows
 // (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed
 // by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; or, where gguf_types is not
-// empty, every projection's GGUF blocks, of type gguf_types[4 l + i], repacked as
-// gguf_packed[4 l + i], on gguf_linear (biases in float32, as QuantLinear holds them; as
-// many rows as the caller's QuantLinears fuse). Beyond the Llama shape decode_layers takes,
+// empty, every projection's GGUF blocks on gguf_linear, as QuantLinear.segments: projection
+// 4 l + i is the next gguf_segments[4 l + i] entries of projections (blocks of one ggml type
+// each, gguf_types[s], repacked as gguf_packed[s]) (biases in float32, as QuantLinear holds
+// them; as many rows as the caller's QuantLinears fuse). Beyond the Llama shape decode_layers takes,
 // the family's layer (DecoderArgs' fields): Gemma's (1 + w) norms (gemma_norms), a norm of
 // each q and k head before RoPE (qk_norms: Qwen3, Gemma3), norms after attention and MLP
 // too (sandwich_norms: Gemma3), the MLP's Activation by code, and each layer's own cos and
@@ -158,7 +160,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
                        const std::vector<int64_t>& gguf_types,
-                       const std::vector<at::Tensor>& gguf_packed, bool gemma_norms,
+                       const std::vector<at::Tensor>& gguf_packed,
+                       const std::vector<int64_t>& gguf_segments, bool gemma_norms,
                        bool qk_norms, bool sandwich_norms, int64_t activation,
                        const std::vector<at::Tensor>& kv_caches,
                        const std::vector<int64_t>& windows, const at::Tensor& slots,

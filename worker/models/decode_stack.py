@@ -12,7 +12,9 @@ native kernels. Steps whose projections all run on one raw-row kernel go to
 ``decode_rows`` instead (``worker/csrc/decode_rows.cpp``): steps of any rows where the
 AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or two rows
 on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
-fuses (``gguf_linear``, on AVX512-BF16 hosts, Qwen2's biases too). It runs the same kernels on
+fuses (``gguf_linear``, on AVX512-BF16 hosts, Qwen2's biases too, and projections whose
+parts are blocks of different types, several segments, as Q4_K_M files make q, k and v:
+``decode_layers`` takes one segment only). It runs the same kernels on
 raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
 of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. ``decode_rows`` also runs the layers
 of other shapes: Qwen3's q/k norms, and Gemma3's (1 + w) norms, q/k norms, sandwich norms,
@@ -46,8 +48,8 @@ class DecodeStack:
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
         self.ropes = list(args.layer_ropes) or ["default"] * args.num_layers
-        # decode_layers (the tensor path) runs Llama-shaped layers only; the other shapes
-        # (llama_shaped() false) take decode_rows' steps and leave the rest to Python.
+        # decode_layers (the tensor path) runs Llama-shaped layers only, and GGUF projections
+        # of one segment; the others take decode_rows' steps and leave the rest to Python.
         self.llama_shaped = llama_shaped(args)
         self.gemma_norms, self.qk_norms = args.norm == "gemma", args.qk_norm
         self.sandwich_norms = args.sandwich_norms
@@ -57,6 +59,12 @@ class DecodeStack:
         self.packed: list[torch.Tensor] = []  # per projection: the packed weight
         self.packings: list[int] = []  # per projection: its Packing's code
         self.gguf_types: list[int] = []  # per projection: its ggml type, -1 if not GGUF
+        # decode_rows' GGUF projections: each one's segment count, and every segment's
+        # blocks, repacked quants and type (QuantLinear.segments, in order)
+        self.gguf_segments: list[int] = []
+        self.gguf_blocks: list[torch.Tensor] = []
+        self.gguf_packed: list[torch.Tensor] = []
+        self.gguf_segment_types: list[int] = []
         self.biases: list[torch.Tensor | None] = []
         gemv_rows: list[int] = []  # per projection: the rows its GEMV takes (0: none)
         fused_max_rows: list[int] = []  # per QuantLinear: the most rows it fuses
@@ -79,12 +87,18 @@ class DecodeStack:
             ]
             for linear in linears:
                 if isinstance(linear, QuantLinear):
-                    (segment,) = linear.segments
                     fused_max_rows.append(linear.fused_max_rows)
-                    self.plain.append(segment.data)
-                    self.packed.append(unused if segment.gemm is None else segment.gemm)
+                    self.gguf_segments.append(len(linear.segments))
+                    for s in linear.segments:
+                        self.gguf_blocks.append(s.data)
+                        self.gguf_packed.append(unused if s.gemm is None else s.gemm)
+                        self.gguf_segment_types.append(s.type)
+                    # decode_layers' arguments: the first segment (it runs single ones only)
+                    first = linear.segments[0]
+                    self.plain.append(first.data)
+                    self.packed.append(unused if first.gemm is None else first.gemm)
                     self.packings.append(ONEDNN_CODE)  # unused
-                    self.gguf_types.append(segment.type)
+                    self.gguf_types.append(first.type)
                     gemv_rows.append(0)
                 else:
                     self.plain.append(linear.weight)
@@ -106,11 +120,14 @@ class DecodeStack:
             self.raw_rows = self.gguf_fused_max_rows if raw_limit else 0
         else:
             self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
-        raw = self.packed if self.raw_gemm else self.plain
+        raw = self.gguf_blocks if self.raw_gguf else self.packed if self.raw_gemm else self.plain
         self.raw_weights = [w for w in raw if w is not None] if self.raw_rows else []
-        # decode_rows' GGUF arguments: each projection's type and repacked quants.
-        self.raw_gguf_types = self.gguf_types if self.raw_gguf else []
-        self.raw_gguf_packed = self.packed if self.raw_gguf else []
+        # decode_rows' GGUF arguments: each segment's type and repacked quants, each
+        # projection's segment count.
+        self.raw_gguf_types = self.gguf_segment_types if self.raw_gguf else []
+        self.raw_gguf_packed = self.gguf_packed if self.raw_gguf else []
+        self.raw_gguf_segments = self.gguf_segments if self.raw_gguf else []
+        self.layers_path = self.llama_shaped and all(n == 1 for n in self.gguf_segments)
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -127,21 +144,22 @@ class DecodeStack:
             m
             for layer in layers
             for m in layer.modules()
-            if isinstance(m, PackedLinear) or (isinstance(m, QuantLinear) and len(m.segments) == 1)
+            if isinstance(m, PackedLinear | QuantLinear)
         ]
         if len(projections) != 4 * len(layers):
-            return None  # not packed for oneDNN (no oneDNN), or GGUF blocks of mixed types
+            return None  # not packed for oneDNN (no oneDNN)
         stack = DecodeStack(model, ops)
-        # Past Llama's shape only decode_rows runs the layers: no stack where it takes none.
-        return stack if stack.llama_shaped or stack.raw_rows else None
+        # Where decode_layers cannot run the layers only decode_rows does: no stack where it
+        # takes no rows either.
+        return stack if stack.layers_path or stack.raw_rows else None
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step is one the stack runs: decodes only (of other shapes than
-        Llama's, as many rows as decode_rows takes)."""
+        """Whether this step is one the stack runs: decodes only (where decode_layers cannot
+        run the layers, as many rows as decode_rows takes)."""
         return (
             not meta.prefills
             and num_tokens > 0
-            and (self.llama_shaped or num_tokens <= self.raw_rows)
+            and (self.layers_path or num_tokens <= self.raw_rows)
             and meta.decode_block_table is not None
             and meta.decode_context_lens is not None
         )
@@ -166,6 +184,7 @@ class DecodeStack:
                 self.biases,
                 self.raw_gguf_types,
                 self.raw_gguf_packed,
+                self.raw_gguf_segments,
                 self.gemma_norms,
                 self.qk_norms,
                 self.sandwich_norms,
