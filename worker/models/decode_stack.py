@@ -45,7 +45,7 @@ class DecodeStack:
         self.kernels = ops.kernels
         self.heads, self.kv_heads, self.head_dim = model.attention_shape()
         self.eps = args.rms_norm_eps
-        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+        self.scale: float = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
         self.ropes = list(args.layer_ropes) or ["default"] * args.num_layers
         # decode_layers (the tensor path) runs Llama-shaped layers only, and GGUF projections
@@ -196,12 +196,7 @@ class DecodeStack:
                 lens,
                 [rope[name][0] for name in self.ropes],
                 [rope[name][1] for name in self.ropes],
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
-                meta.block_size,
-                self.eps,
-                self.scale,
+                *self._shape(meta),
             )
         cos, sin = rope[self.ropes[0]]  # takes() sent only Llama-shaped layers: one RoPE
         return self.kernels.decode_layers(
@@ -220,13 +215,12 @@ class DecodeStack:
             lens,
             cos,
             sin,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            meta.block_size,
-            self.eps,
-            self.scale,
+            *self._shape(meta),
         )
+
+    def _shape(self, meta: AttentionMetadata) -> tuple[int, int, int, int, float, float]:
+        """Both entries' last arguments: heads, KV heads, head size, block size, eps, scale."""
+        return self.heads, self.kv_heads, self.head_dim, meta.block_size, self.eps, self.scale
 
 
 def llama_shaped(args: DecoderArgs) -> bool:
