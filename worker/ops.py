@@ -306,5 +306,7 @@ def pick_ops(backend: AttentionBackend, device: torch.device) -> Ops:
         return TorchOps()
     ops = NativeOps(kernels)
     prefill = ", bf16 prefill attention" if ops.native_prefill else ""
-    logger.info("native CPU kernels: decode attention%s, KV writes, RoPE, RMSNorm, SwiGLU", prefill)
+    logger.info(
+        "native CPU kernels: decode attention%s, KV writes, RoPE, RMSNorm, SwiGLU, GeGLU", prefill
+    )
     return ops

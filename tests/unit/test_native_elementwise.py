@@ -1,6 +1,6 @@
-"""The native KV write, rotary and SwiGLU kernels against the PyTorch code they replace:
-bit-equal where only roundings are involved, within one bfloat16 step for silu (its exp
-is not PyTorch's)."""
+"""The native KV write, rotary and SwiGLU/GeGLU kernels against the PyTorch code they
+replace: bit-equal where only roundings are involved, within a bfloat16 step or two for the
+activations (their exp is not PyTorch's)."""
 
 from __future__ import annotations
 
