@@ -86,38 +86,31 @@ struct Projection {
       bf16_gemv_rows(bits(x), bits(w), bits(b), reinterpret_cast<uint16_t*>(y), n, out, in);
   }
 
-  // QuantLinear.forward for n bfloat16 rows: gguf_linear's float32 product of each segment,
-  // the bias added, rounded once.
+  // QuantLinear.forward for n bfloat16 rows: each segment's float32 product from gguf_linear
+  // into its columns of y, the bias added (in float32, as QuantLinear adds it, in the kernel
+  // or after), rounded once.
   void operator()(const Bf16* x, const GgufWeight& w, Bf16* y, int64_t n, int64_t out,
                   int64_t in) const {
     const at::Tensor rows = at::from_blob(const_cast<Bf16*>(x), {n, in}, at::kBFloat16);
-    if (w.count == 1) {  // the bias added in the kernel, as QuantLinear asks it there
-      const std::optional<at::Tensor> bias =
-          w.bias ? std::optional<at::Tensor>(*w.bias) : std::nullopt;
-      const at::Tensor product = gguf_linear(rows, w.blocks[0], w.types[0], bias, w.packed[0]);
-      const float* p = product.data_ptr<float>();
-      const int64_t count = n * out;
-      int64_t j = 0;
-#if defined(__AVX512F__)
-      for (; j + tandem::kLanes <= count; j += tandem::kLanes)
-        tandem::store_lanes(y + j, _mm512_loadu_ps(p + j));
-#endif
-      for (; j < count; ++j) y[j] = Bf16(p[j]);
-      return;
-    }
-    // Several segments: each one's columns of y; QuantLinear adds the bias to their
-    // concatenated float32 products, then rounds.
     const float* bias = w.bias ? w.bias->data_ptr<float>() : nullptr;
     int64_t first = 0;
     for (size_t s = 0; s < w.count; ++s) {
-      const at::Tensor product = gguf_linear(rows, w.blocks[s], w.types[s], std::nullopt, w.packed[s]);
-      const float* p = product.data_ptr<float>();
+      const at::Tensor product =
+          gguf_linear(rows, w.blocks[s], w.types[s], std::nullopt, w.packed[s]);
       const int64_t width = w.blocks[s].size(0);
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < width; ++j) {
-          const float v = p[r * width + j];
-          y[r * out + first + j] = Bf16(bias ? v + bias[first + j] : v);
+      const float* b = bias ? bias + first : nullptr;
+      for (int64_t r = 0; r < n; ++r) {
+        const float* p = product.data_ptr<float>() + r * width;
+        Bf16* row = y + r * out + first;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        for (; j + tandem::kLanes <= width; j += tandem::kLanes) {
+          const __m512 v = _mm512_loadu_ps(p + j);
+          tandem::store_lanes(row + j, b ? _mm512_add_ps(v, _mm512_loadu_ps(b + j)) : v);
         }
+#endif
+        for (; j < width; ++j) row[j] = Bf16(b ? p[j] + b[j] : p[j]);
+      }
       first += width;
     }
   }
@@ -180,7 +173,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   const auto outputs = [&](size_t p) {
     if (!gguf) return projections[p].size(0);
     int64_t total = 0;
-    for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s) total += projections[s].size(0);
+    for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s)
+      total += projections[s].size(0);
     return total;
   };
   TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(gemm)), "decode_rows takes 1 to ",

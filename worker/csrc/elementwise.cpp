@@ -121,12 +121,14 @@ void act_mul_rows(const T* in, T* dst, int64_t n, int64_t d, Activation act) {
 #if defined(__AVX512F__)
       using tandem::load_lanes;
       const bool gelu = act == Activation::kGeluTanh;
-      const __m512 cubic = _mm512_set1_ps(kGeluCubic), scale = _mm512_set1_ps(kGeluTwiceSqrt2OverPi);
+      const __m512 cubic = _mm512_set1_ps(kGeluCubic);
+      const __m512 scale = _mm512_set1_ps(kGeluTwiceSqrt2OverPi);
       for (; j + tandem::kLanes <= d; j += tandem::kLanes) {
         const __m512 x = load_lanes(g + j);
-        const __m512 s =
-            gelu ? _mm512_mul_ps(scale, _mm512_fmadd_ps(_mm512_mul_ps(cubic, x), _mm512_mul_ps(x, x), x))
-                 : x;
+        // gelu: 2c (x + 0.044715 x^3), the cubic term as (0.044715 x) x^2 + x
+        const __m512 s = gelu ? _mm512_mul_ps(scale, _mm512_fmadd_ps(_mm512_mul_ps(cubic, x),
+                                                                     _mm512_mul_ps(x, x), x))
+                              : x;
         const __m512 e = tandem::exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), s));
         const __m512 value = tandem::round_lanes<T>(
             _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));

@@ -21,7 +21,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 void write_kv(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
-// The gated MLPs' activations, by the code Python passes (worker/ops.py's ACTIVATION_CODES).
+// The gated MLPs' activations, by the code Python passes (worker/ops.py's NATIVE_ACTIVATIONS).
 enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 inline Activation activation_of(int64_t code) {
   TORCH_CHECK(code == 0 || code == 1, "unknown activation code ", code, " (0 silu, 1 gelu tanh)");
@@ -133,21 +133,20 @@ void decode_attention_bf16_rows(const tandem::attention::Problem<c10::BFloat16>&
 // decode_attention's checks of its metadata: dtypes, shapes, every length and block id in range.
 void check_decode_metadata(const at::Tensor& block_table, const at::Tensor& context_lens,
                            int64_t n, int64_t num_blocks, int64_t block_size);
-// decode_layers for steps of up to decode_rows_max_rows(gemm) rows (any on the GEMM, one or
-// two on the GEMV) where every projection runs on one kernel over raw rows
-// (decode_rows.cpp): projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed
-// by bf16_gemm_pack (gemm) or plain [out, in] for the GEMV; or, where gguf_types is not
-// empty, every projection's GGUF blocks on gguf_linear, as QuantLinear.segments: projection
-// 4 l + i is the next gguf_segments[4 l + i] entries of projections (blocks of one ggml type
-// each, gguf_types[s], repacked as gguf_packed[s]) (biases in float32, as QuantLinear holds
-// them; as many rows as the caller's QuantLinears fuse). Beyond the Llama shape decode_layers takes,
-// the family's layer (DecoderArgs' fields): Gemma's (1 + w) norms (gemma_norms), a norm of
-// each q and k head before RoPE (qk_norms: Qwen3, Gemma3), norms after attention and MLP
-// too (sandwich_norms: Gemma3), the MLP's Activation by code, and each layer's own cos and
-// sin (Gemma3's local and global RoPE). norms[p l + i] is layer l's i-th of p =
-// decode_rows_norms_per_layer: input, post-attention, then (sandwich) pre- and
-// post-feedforward, then (qk) q and k, those [head_dim], the others [hidden]. The other
-// arguments are decode_layers'.
+// decode_layers for steps of up to decode_rows_max_rows(gemm) rows (any on the GEMM, one or two on
+// the GEMV) where every projection runs on one kernel over raw rows (decode_rows.cpp):
+// projections[4 l + i] is layer l's qkv, o, gate_up, down weight, packed by bf16_gemm_pack (gemm)
+// or plain [out, in] for the GEMV; or, where gguf_types is not empty, every projection's GGUF
+// blocks on gguf_linear, as QuantLinear.segments: projection 4 l + i is the next
+// gguf_segments[4 l + i] entries of projections (blocks of one ggml type each, gguf_types[s],
+// repacked as gguf_packed[s]) (biases in float32, as QuantLinear holds them; as many rows as the
+// caller's QuantLinears fuse). Beyond the Llama shape decode_layers takes, the family's layer
+// (DecoderArgs' fields): Gemma's (1 + w) norms (gemma_norms), a norm of each q and k head before
+// RoPE (qk_norms: Qwen3, Gemma3), norms after attention and MLP too (sandwich_norms: Gemma3), the
+// MLP's Activation by code, and each layer's own cos and sin (Gemma3's local and global RoPE).
+// norms[p l + i] is layer l's i-th of p = decode_rows_norms_per_layer: input, post-attention, then
+// (sandwich) pre- and post-feedforward, then (qk) q and k, those [head_dim], the others [hidden].
+// The other arguments are decode_layers'.
 enum NormSlot : size_t {
   kInputNorm, kPostAttentionNorm, kPreFeedforwardNorm, kPostFeedforwardNorm, kQNorm, kKNorm,
   kMaxNormsPerLayer
