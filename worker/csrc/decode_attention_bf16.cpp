@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "attention_problem.h"
