@@ -7,12 +7,16 @@ sockets), every sequence with a 128-token context. One step is split into:
 
 - inside the worker's forward and sampling, by ``torch.profiler`` (self CPU time of each
   op, attributed to the nearest labelled range): *fused layers* (a decode step of as
-  many rows as the GEMV takes, 4 or 32 with AMX, runs every layer in one native call,
-  ``worker/models/decode_stack.py``, not split further), matmuls (every linear projection
-  and the LM head), attention (KV write and paged attention), norms, rotary, activation,
-  sampling,
+  many rows as the fused stack takes runs every layer in one native call,
+  ``worker/models/decode_stack.py``), matmuls (every linear projection and the LM head),
+  attention (KV write and paged attention), norms, rotary, activation, sampling,
   other ops (embedding, adds, index/copy), and *Python and dispatch* (the step's time in
   no op at all: model code, metadata building, tensor creation);
+- inside the fused layers, where ``decode_rows`` runs them, its own phases (projections,
+  attention, rotary + KV write, norms + adds, activation), timed by the kernel in the
+  unprofiled steps, with the rate the projections reached (TFLOP/s, against the matmul
+  rate; weights read, GB/s) and the KV bytes attention read a second (against the read
+  bandwidth);
 - engine bookkeeping: ``EngineCore.step()`` minus the runner's time in it;
 - worker <-> engine IPC: encoding and decoding the step's ``SchedulerOutput`` and
   ``ModelRunnerOutput`` with the wire codec, and both frames' round trip over ``ipc://``;
@@ -44,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import worker.model_runner as model_runner_module
 from api_server.detokenizer import IncrementalDetokenizer
-from bench.floor import Machine, bandwidth_gb_s, matmul_tflops, model_cost
+from bench.floor import Machine, ModelCost, bandwidth_gb_s, matmul_tflops, model_cost
 from bench.harness import print_table, write_results
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.ipc import Codec
@@ -63,6 +67,7 @@ from engine_core.executor import PoolEvents
 from worker.attention import AttentionMetadata
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
+from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM, FusedDecode
 from worker.models.packed_linear import ONEDNN, PackedLinear
 
@@ -133,10 +138,17 @@ def _label(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class FusedLabel:
-    """A ``FusedDecode`` whose calls are labelled in the profile."""
+    """A ``FusedDecode`` whose calls are labelled in the profile, and that counts the KV
+    positions its steps attend to (for the attention phase's bytes read)."""
 
     def __init__(self, fused: FusedDecode, call: Callable[..., torch.Tensor]) -> None:
         self._fused, self._call = fused, call
+        self.positions = 0
+
+    @property
+    def stack(self) -> DecodeStack | None:
+        """The fused stack, where it is ``decode_rows``' (whose phases are timed)."""
+        return self._fused if isinstance(self._fused, DecodeStack) else None
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return self._fused.takes(meta, num_tokens)
@@ -148,6 +160,8 @@ class FusedLabel:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if meta.decode_context_lens is not None:
+            self.positions += int(meta.decode_context_lens.sum())
         return self._call(x, rope, kv_caches, meta)
 
 
@@ -295,14 +309,48 @@ def api_seconds(setup: Setup, result: ModelRunnerOutput, repeats: int) -> float:
     return median_time(one_step, repeats)
 
 
+def run_timing_phases(
+    setup: Setup, step: Callable[[], object], steps: int
+) -> dict[str, Any] | None:
+    """``steps`` steps, with ``decode_rows`` timing its phases where the step is its (each
+    phase's wall time on the step's thread, the parallel regions' waits included; reading
+    the clock costs ~10 us a step): each phase's mean ms a step and the KV positions a
+    step's attention read, or None where the steps were not ``decode_rows``'."""
+    fused = setup.runner.model.fused_decode
+    stack = fused.stack if isinstance(fused, FusedLabel) else None
+    if stack is None:
+        for _ in range(steps):
+            step()
+        return None
+    assert isinstance(fused, FusedLabel)
+    names = stack.kernels.decode_rows_phases()
+    stack.phase_seconds = torch.zeros(len(names), dtype=torch.float64)
+    fused.positions = 0
+    try:
+        for _ in range(steps):
+            step()
+        seconds = stack.phase_seconds.tolist()
+    finally:
+        stack.phase_seconds = None
+    if not any(seconds):
+        return None  # the steps' rows went to decode_layers
+    return {
+        "phases_ms": {n: 1e3 * t / steps for n, t in zip(names, seconds, strict=True)},
+        "positions_per_step": fused.positions / steps,
+    }
+
+
 def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]) -> dict[str, Any]:
     core, pool = setup.decoding_core(batch)
     walls, runners = [], []
-    for _ in range(steps):
+
+    def timed_step() -> None:
         start = time.perf_counter()
         core.step()
         walls.append(time.perf_counter() - start)
         runners.append(pool.runner_s)
+
+    phases = run_timing_phases(setup, timed_step, steps)
     runner_s = statistics.median(runners)
     engine_s = max(0.0, statistics.median(w - r for w, r in zip(walls, runners, strict=True)))
     shares = model_shares(core.step, steps)
@@ -320,7 +368,40 @@ def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]
         "worker_ms": runner_s * 1e3,
         "floors_ms": floors,
         "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+        "fused_phases": phases,
     }
+
+
+def layer_projection_params(model: DecoderLM) -> int:
+    """Weights of every layer's projections (the fused step's GEMMs; not the LM head)."""
+    return sum(
+        m.in_features * m.out_features
+        for layer in model.model.layers
+        for m in layer.modules()
+        if isinstance(m, PackedLinear)
+    )
+
+
+def phase_rates(
+    row: dict[str, Any], projection_params: int, cost: ModelCost, machine: Machine, itemsize: int
+) -> str:
+    """What the fused step's projections computed and read, and its attention read, per
+    second, against the machine's matmul rate and read bandwidth."""
+    phases, batch = row["fused_phases"], row["batch"]
+    projection_s = phases["phases_ms"]["projections"] / 1e3
+    tflops = 2 * batch * projection_params / projection_s / 1e12
+    weights_gb_s = projection_params * itemsize / projection_s / 1e9
+    attention_s = phases["phases_ms"]["attention"] / 1e3
+    kv_bytes = phases["positions_per_step"] * cost.kv_bytes_per_position
+    kv_gb_s = kv_bytes / attention_s / 1e9
+    context = phases["positions_per_step"] / batch
+    return (
+        f"batch {batch}, fused phases (contexts ~{context:.0f}): projections "
+        f"{tflops:.2f} TFLOP/s ({100 * tflops / machine.matmul_tflops:.0f}% of the matmul "
+        f"rate), their weights read at {weights_gb_s:.1f} GB/s; attention read "
+        f"{kv_bytes / 1e6:.0f} MB of KV at {kv_gb_s:.1f} GB/s "
+        f"({100 * kv_gb_s / machine.read_gb_s:.0f}% of the read bandwidth)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,6 +433,20 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for part in order
     ]
+    phase_names = next(
+        (list(r["fused_phases"]["phases_ms"]) for r in rows if r["fused_phases"]), []
+    )
+    for i, phase in enumerate(phase_names):  # under "fused layers": decode_rows' own clock
+        table.insert(
+            1 + i,
+            [
+                f"  {phase}",
+                *(
+                    f"{r['fused_phases']['phases_ms'][phase]:.2f} ms" if r["fused_phases"] else "-"
+                    for r in rows
+                ),
+            ],
+        )
     table.append(["step (sum)", *(f"{r['step_ms']:.1f} ms" for r in rows)])
     floors = [r["floors_ms"] for r in rows]
     table.append(
@@ -366,6 +461,11 @@ def main(argv: list[str] | None = None) -> None:
         f"context {CONTEXT}"
     )
     print_table(headers, table)
+    model = setup.runner.model
+    projection_params = layer_projection_params(model) if isinstance(model, DecoderLM) else 0
+    for r in rows:
+        if r["fused_phases"] and projection_params:
+            print(phase_rates(r, projection_params, cost, machine, dtype.itemsize))
     name = args.name or f"step_profile-{args.model}-{str(dtype).removeprefix('torch.')}"
     write_results(
         name,

@@ -236,7 +236,10 @@ class NativeKernels(Protocol):
         block_size: int,
         eps: float,
         scale: float,
+        phase_seconds: torch.Tensor | None,
     ) -> torch.Tensor: ...
+
+    def decode_rows_phases(self) -> list[str]: ...
 
     def parallel_steal_trace(self, costs_us: torch.Tensor) -> torch.Tensor: ...
 

@@ -145,6 +145,38 @@ def test_other_shapes_take_decode_rows_bit_identically(
     assert calls.layers == []  # the others ran through the Python layers
 
 
+@needs_onednn_bf16
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_rows_times_its_phases_without_changing_a_bit(family: str, tmp_path: Path) -> None:
+    """With ``phase_seconds`` (bench.step_profile's split of a fused step) every phase of
+    every decode_rows step is timed into it, and the steps stay bit-identical to the Python
+    layers; where this host's kernels take no decode_rows steps, nothing is timed."""
+    model = load(family, tmp_path)
+    fused = model.fused_decode
+    if fused is None:  # gemma3 without decode_rows (no AVX512-BF16): no fused step at all
+        assert family == "gemma3" and not load_native_kernels().decode_rows_max_rows(True)
+        return
+    assert isinstance(fused, DecodeStack)
+    phases = load_native_kernels().decode_rows_phases()
+    assert phases == ["projections", "attention", "rotary + KV write", "norms + adds", "activation"]
+    fused.phase_seconds = torch.zeros(len(phases), dtype=torch.float64)
+    _, calls = count_calls(fused)
+    fused_against_python(model, fused, seed=3)
+    timed = dict(zip(phases, fused.phase_seconds.tolist(), strict=True))
+    assert bool(calls.rows) == (fused.raw_rows > 0)
+    if calls.rows:
+        assert all(seconds > 0 for seconds in timed.values()), timed
+    else:
+        assert not any(timed.values()), timed
+
+
+def test_decode_rows_refuses_phase_seconds_of_another_shape() -> None:
+    with pytest.raises(RuntimeError, match=r"phase_seconds must be contiguous float64 \[5\]"):
+        call_decode_rows(1, gemm=False, phase_seconds=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="phase_seconds must be contiguous float64"):
+        call_decode_rows(1, gemm=False, phase_seconds=torch.zeros(5, dtype=torch.float32))
+
+
 def count_calls(fused: DecodeStack) -> tuple[list[int], CountedKernels]:
     """Counts, from now on, the rows of each step ``fused`` is asked to take, and its
     kernels' calls."""
@@ -167,6 +199,7 @@ def call_decode_rows(
     gguf_types: list[int] | None = None,
     qk_norms: bool = False,
     activation: int = 0,
+    phase_seconds: torch.Tensor | None = None,
 ) -> None:
     """decode_rows on one zero layer of width 8 (plain weights, two norms) and ``rows`` rows;
     with ``gguf_types``, as if those weights were GGUF blocks; the layer's shape flags as
@@ -203,6 +236,7 @@ def call_decode_rows(
         BLOCK,
         1e-6,
         1.0,
+        phase_seconds,
     )
 
 

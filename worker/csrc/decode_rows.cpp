@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -116,12 +117,40 @@ struct Projection {
   }
 };
 
+// Adds each phase's wall time on the calling thread to seconds[phase] (DecodePhase), where
+// the caller asked for it; otherwise reads no clock.
+class PhaseClock {
+ public:
+  explicit PhaseClock(double* seconds) : seconds_(seconds), last_(seconds ? now() : 0.0) {}
+
+  // The time since the last lap was `phase`'s.
+  void lap(DecodePhase phase) {
+    if (seconds_ == nullptr) return;
+    const double t = now();
+    seconds_[phase] += t - last_;
+    last_ = t;
+  }
+
+ private:
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  double* seconds_;
+  double last_;
+};
+
 // The step's row buffers, carved out of one tensor.
 struct Rows {
   Bf16 *h, *qkv, *q, *attn, *o, *residual, *gate_up, *act, *down;
 };
 
 }  // namespace
+
+std::vector<std::string> decode_rows_phases() {
+  return {"projections", "attention", "rotary + KV write", "norms + adds", "activation"};
+}
 
 int64_t decode_rows_max_rows(bool gemm) {
   if (gemm) return has_bf16_gemm() ? std::numeric_limits<int64_t>::max() : 0;
@@ -140,7 +169,12 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const at::Tensor& block_table, const at::Tensor& context_lens,
                        const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                       double eps, double scale) {
+                       double eps, double scale,
+                       const std::optional<at::Tensor>& phase_seconds) {
+  TORCH_CHECK(!phase_seconds || (phase_seconds->scalar_type() == at::kDouble &&
+                                 phase_seconds->is_contiguous() &&
+                                 phase_seconds->numel() == kDecodePhases),
+              "decode_rows: phase_seconds must be contiguous float64 [", kDecodePhases, "]");
   const size_t layers = kv_caches.size();
   const size_t norms_per_layer = decode_rows_norms_per_layer(qk_norms, sandwich_norms);
   const Activation act = activation_of(activation);
@@ -269,6 +303,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   Bf16* x = x_out.data_ptr<Bf16>();
   const Bf16* x_cur = x_in.data_ptr<Bf16>();
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(Bf16));
+  PhaseClock clock(phase_seconds ? phase_seconds->data_ptr<double>() : nullptr);
 
   for (size_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights[l];
@@ -294,13 +329,16 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     };
     // Attention.forward
     norm(x_cur, nullptr, kInputNorm, r.h, nullptr, n, hidden);
+    clock.lap(kPhaseNorms);
     linear(0, r.h, r.qkv, qkv_dim, hidden);
+    clock.lap(kPhaseProjections);
     if (qk_norms)  // each head of q, then of k, in place: rotary reads them next
       for (int64_t i = 0; i < n; ++i) {
         Bf16* row = r.qkv + i * qkv_dim;
         norm(row, nullptr, kQNorm, row, nullptr, heads, head_dim);
         norm(row + q_dim, nullptr, kKNorm, row + q_dim, nullptr, kv_heads, head_dim);
       }
+    clock.lap(kPhaseNorms);
     rotary_bf16(r.qkv, qkv_dim, cos[l].data_ptr<Bf16>(), sin[l].data_ptr<Bf16>(), n,
                 heads + kv_heads, head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
@@ -309,12 +347,15 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                   qkv_dim * sizeof(Bf16));
     for (int64_t i = 0; i < n; ++i)  // the query heads, contiguous
       std::copy(r.qkv + i * qkv_dim, r.qkv + i * qkv_dim + q_dim, r.q + i * q_dim);
+    clock.lap(kPhaseRopeKv);
     decode_attention_bf16_rows(tandem::attention::Problem<Bf16>{
         r.q, cache, cache + num_blocks * kv_heads * block_size * head_dim,
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
         kv_heads, head_dim, block_table.size(1), block_size, windows[l],
         static_cast<float>(scale)});
+    clock.lap(kPhaseAttention);
     linear(1, r.attn, r.o, hidden, q_dim);
+    clock.lap(kPhaseProjections);
     if (sandwich_norms) {  // DecoderLayer.forward: x + post(attn), then pre(...) into the MLP
       norm(r.o, nullptr, kPostAttentionNorm, r.h, nullptr, n, hidden);
       add_rows(x_cur, r.h, r.residual, n * hidden);
@@ -322,12 +363,17 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     } else {  // x, h = add_and_norm(x, attn)
       norm(x_cur, r.o, kPostAttentionNorm, r.h, r.residual, n, hidden);
     }
+    clock.lap(kPhaseNorms);
     linear(2, r.h, r.gate_up, 2 * inter, hidden);
+    clock.lap(kPhaseProjections);
     act_mul_bf16(r.gate_up, r.act, n, inter, act);
+    clock.lap(kPhaseActivation);
     linear(3, r.act, r.down, hidden, inter);
+    clock.lap(kPhaseProjections);
     if (sandwich_norms)  // x + post_feedforward(mlp(h)), the norm in place
       norm(r.down, nullptr, kPostFeedforwardNorm, r.down, nullptr, n, hidden);
     add_rows(r.residual, r.down, x, n * hidden);
+    clock.lap(kPhaseNorms);
     x_cur = x;
   }
   return x_out;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -155,6 +156,14 @@ inline size_t decode_rows_norms_per_layer(bool qk_norms, bool sandwich_norms) {
   return 2 + (sandwich_norms ? 2 : 0) + (qk_norms ? 2 : 0);
 }
 int64_t decode_rows_max_rows(bool gemm);
+// What decode_rows' step does, in the order decode_rows_phases() names them: where the caller
+// passes phase_seconds (float64 [kDecodePhases]), each phase's wall time on the calling thread,
+// its parallel regions' waits included, is added to it (bench.step_profile splits a fused
+// step so). Without it no clock is read.
+enum DecodePhase : int64_t {
+  kPhaseProjections, kPhaseAttention, kPhaseRopeKv, kPhaseNorms, kPhaseActivation, kDecodePhases
+};
+std::vector<std::string> decode_rows_phases();
 at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
                        const std::vector<at::Tensor>& projections, bool gemm,
                        const std::vector<std::optional<at::Tensor>>& biases,
@@ -167,7 +176,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                        const at::Tensor& block_table, const at::Tensor& context_lens,
                        const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                       double eps, double scale);
+                       double eps, double scale,
+                       const std::optional<at::Tensor>& phase_seconds);
 
 // tandem::parallel_steal over tasks that wait costs_us[i] microseconds each: per task, how
 // many times it ran and the thread that ran it (tests only).

@@ -71,6 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_rows", &decode_rows,
         "decode_layers on raw rows: any rows on bf16_gemm, one or two on the GEMV, or GGUF "
         "projections on gguf_linear");
+  m.def("decode_rows_phases", &decode_rows_phases,
+        "the phases of decode_rows' step, in the order its phase_seconds holds them");
   m.def("parallel_steal_trace", &parallel_steal_trace,
         "tandem::parallel_steal over tasks that wait costs_us[i] microseconds: [tasks, 2] of "
         "(times run, thread that ran it)",

@@ -46,6 +46,9 @@ class DecodeStack:
         self.heads, self.kv_heads, self.head_dim = model.attention_shape()
         self.eps = args.rms_norm_eps
         self.scale: float = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+        # Where set (bench.step_profile), decode_rows adds each phase's wall time to it, in
+        # the kernels' decode_rows_phases() order; None in serving: no clock read.
+        self.phase_seconds: torch.Tensor | None = None
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
         self.ropes = list(args.layer_ropes) or ["default"] * args.num_layers
         # decode_layers (the tensor path) runs Llama-shaped layers only, and GGUF projections
@@ -197,6 +200,7 @@ class DecodeStack:
                 [rope[name][0] for name in self.ropes],
                 [rope[name][1] for name in self.ropes],
                 *self._shape(meta),
+                self.phase_seconds,
             )
         cos, sin = rope[self.ropes[0]]  # takes() sent only Llama-shaped layers: one RoPE
         return self.kernels.decode_layers(
