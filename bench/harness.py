@@ -160,6 +160,40 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
+_HOST_RATES = """
+import json, torch
+from bench.floor import bandwidth_gb_s, matmul_tflops
+print(json.dumps({
+    "read_gb_s": round(bandwidth_gb_s(256, 5)["read_gb_s"], 1),
+    "bf16_matmul_tflops": round(matmul_tflops(torch.bfloat16, 1024, 20), 3),
+}))
+"""
+
+
+def host_rates() -> dict[str, float]:
+    """This host's memory read bandwidth and bfloat16 matmul rate now (~2 s, in a child
+    process: the benchmark's own process stays free of torch). Taken before and after a
+    run: a neighbour on the host that halves the bandwidth halves the 1-client figures, and
+    figures from runs under different rates do not compare."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HOST_RATES],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout
+    rates: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return rates
+
+
+def host_line(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    return (
+        f"host: memory read {before['read_gb_s']:.1f} -> {after['read_gb_s']:.1f} GB/s, "
+        f"bf16 matmul {before['bf16_matmul_tflops']:.2f} -> "
+        f"{after['bf16_matmul_tflops']:.2f} TFLOP/s (before -> after this run)"
+    )
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -27,7 +27,15 @@ from typing import Any
 
 import httpx
 
-from bench.harness import MODEL, print_table, tandem_bench_flags, tandem_process, write_results
+from bench.harness import (
+    MODEL,
+    host_line,
+    host_rates,
+    print_table,
+    tandem_bench_flags,
+    tandem_process,
+    write_results,
+)
 from bench.loadgen import run_load
 from bench.stats import Slo, summarize
 from bench.workloads import WORKLOADS, make_requests
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     common = tandem_bench_flags(args.dtype, args.concurrency)
     flags = {"base": args.base_flags.split(), "head": args.head_flags.split()}
     rounds: list[dict[str, dict[str, Any]]] = []
+    host_before = host_rates()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="tandem-paired-") as tmp:
         cwds = {"base": checkout(args.base, Path(tmp) / "base"), "head": REPO}
         urls = {}
@@ -117,13 +126,17 @@ def main(argv: list[str] | None = None) -> None:
                 ],
             )
     summary = paired_summary(rounds)
+    host = {"before": host_before, "after": host_rates()}
     print(
         f"\nhead / base tok/s per round: {', '.join(f'{x:.3f}' for x in summary['tok_s_ratios'])}"
         f" (head faster in {summary['head_faster_rounds']} of {len(rounds)}); medians "
         f"{summary['median_tok_s']['base']:.1f} -> {summary['median_tok_s']['head']:.1f} tok/s"
     )
     name = args.name or f"paired-{args.workload}-c{args.concurrency}"
-    path = write_results(name, {"args": vars(args), "rounds": rounds, "summary": summary})
+    print(host_line(host["before"], host["after"]))
+    path = write_results(
+        name, {"args": vars(args), "host": host, "rounds": rounds, "summary": summary}
+    )
     print(f"wrote {path}")
 
 

@@ -3,7 +3,9 @@ seeded requests over one window, interleaved point by point, and at one client r
 by request: request 1 to every system, then request 2, each round in a rotated order.
 This host's memory bandwidth drifts by 10-30% over minutes, so a system measured a
 minute after another could be flattered or wronged by the drift alone; only figures
-from one run compare. A table on stdout, JSON in bench/results/, PNG plots in docs/img/.
+from one run compare. Each run records the host's read bandwidth and bfloat16 matmul
+rate before its first server starts and after its last stops (``host`` in the JSON).
+A table on stdout, JSON in bench/results/, PNG plots in docs/img/.
 
 Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching (async scheduling: the next step planned while the worker runs this one)
@@ -38,7 +40,14 @@ from typing import Any
 import httpx
 import torch
 
-from bench.harness import print_table, tandem_bench_flags, tandem_process, write_results
+from bench.harness import (
+    host_line,
+    host_rates,
+    print_table,
+    tandem_bench_flags,
+    tandem_process,
+    write_results,
+)
 from bench.loadgen import run_load
 from bench.peers import llama_server as llama
 from bench.peers import transformers_peer as hf
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.name or f"serving-{args.workload}"
     points: list[dict[str, Any]] = []
     peaks: dict[str, int] = {}
+    host_before = host_rates()
     with contextlib.ExitStack() as stack:
         workload = make_requests(args.workload, args.num_requests, args.seed)
         systems = Systems(args, stack, workload)
@@ -302,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"ITL p50 {1000 * (summary['itl_s']['p50'] or 0):6.1f} ms  errors {summary['errors']}",
                     flush=True,
                 )
-    report(args, name, points, peaks, systems.skipped)
+    host = {"before": host_before, "after": host_rates()}  # with every server stopped
+    report(args, name, points, peaks, systems.skipped, host)
 
 
 def _run_point(
@@ -343,6 +354,7 @@ def report(
     points: list[dict[str, Any]],
     peaks: dict[str, int],
     skipped: dict[str, str],
+    host: dict[str, dict[str, float]],
 ) -> None:
     rows = []
     for p in points:
@@ -380,10 +392,12 @@ def report(
     verdicts = yardstick(points, peaks)
     for line in verdicts:
         print(line)
+    print(host_line(host["before"], host["after"]))
     path = write_results(
         name,
         {
             "args": vars(args),
+            "host": host,
             "points": points,
             "peak_rss_bytes": peaks,
             "skipped": skipped,
