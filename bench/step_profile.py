@@ -86,6 +86,7 @@ PARTS = (
 _OPS_LABELS = {
     "write_kv": "attention",
     "decode_attention": "attention",
+    "prefill_attention": "attention",
     "rms_norm": "norms",
     "add_rms_norm": "norms",
     "rotary": "rotary",

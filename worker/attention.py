@@ -200,16 +200,16 @@ def paged_attention(
         if only_decodes:
             return decode_out
         out.index_copy_(0, meta.decode_token_indices, decode_out)
+    fresh = [chunk for chunk in meta.prefills if chunk.context_start == 0]
+    if fresh:  # their keys are this step's own: every such chunk at once
+        ops.fresh_prefill_attention(out, q, k, v, fresh, scale, window)
     for chunk in meta.prefills:
-        chunk_q = q[chunk.token_start : chunk.token_end]  # [q, H, D]
-        if chunk.context_start == 0:  # [KVH, L, D]
-            keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
-            values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
-        else:
-            keys, values = gather_blocks(kv_cache, chunk.block_ids)
-            keys, values = keys[:, : chunk.context_end], values[:, : chunk.context_end]
+        if chunk.context_start == 0:
+            continue
+        keys, values = gather_blocks(kv_cache, chunk.block_ids)  # [KVH, L, D]
+        keys, values = keys[:, : chunk.context_end], values[:, : chunk.context_end]
         out[chunk.token_start : chunk.token_end] = ops.prefill_attention(
-            chunk_q, keys, values, chunk, scale, window
+            q[chunk.token_start : chunk.token_end], keys, values, chunk, scale, window
         )
     return out
 

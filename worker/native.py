@@ -114,6 +114,18 @@ class NativeKernels(Protocol):
         window: int,
     ) -> torch.Tensor: ...
 
+    def prefill_attention_chunks_(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        starts: list[int],
+        ends: list[int],
+        scale: float,
+        window: int,
+    ) -> None: ...
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
     ) -> torch.Tensor: ...

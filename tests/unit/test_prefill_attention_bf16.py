@@ -2,7 +2,8 @@
 a float64 reference: first chunks and chunks after cached tokens, grouped heads, head
 sizes 64 to 256, sliding windows, keys laid out as the step's K (token-major) and as
 blocks gathered from the cache (head-major); a query's result does not depend on the
-chunk it came in; bad input is refused. Without AVX512-BF16 (the CPU, or a portable kernel build) there is no
+chunk it came in; a step's fresh chunks in one call give each chunk the bits it gets alone;
+bad input is refused. Without AVX512-BF16 (the CPU, or a portable kernel build) there is no
 kernel, and prefill attention stays on PyTorch's flash kernel."""
 
 from __future__ import annotations
@@ -107,6 +108,65 @@ def test_refuses_what_it_cannot_take() -> None:
         kernels.prefill_attention(q[:, :3], k, v, 3, 0.125, 0)
     with pytest.raises(RuntimeError, match="window must be 0"):
         kernels.prefill_attention(q, k, v, 3, 0.125, -1)
+
+
+def step_operands(
+    lengths: list[int], heads: int, kv_heads: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """A step's q, k and v as the model holds them (views of one qkv row per token:
+    ``[tokens, heads or kv_heads, dim]``), with a decode token before each prompt."""
+    gen = torch.Generator().manual_seed(sum(lengths) + heads)
+    starts, ends, tokens = [], [], 0
+    for n in lengths:
+        starts.append(tokens + 1)  # one token of another request first
+        ends.append(tokens + 1 + n)
+        tokens += 1 + n
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    return q, k, v, starts, ends
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "dim", "window"),
+    [
+        ([24, 64, 1, 37, 15, 50], 9, 3, 64, 0),  # the chat workload's short prompts
+        ([300, 13, 100], 8, 2, 128, 0),
+        ([41, 200], 4, 1, 256, 100),  # Gemma 3's local layers
+        ([7], 4, 4, 128, 0),
+    ],
+)
+def test_chunks_in_one_call_are_each_what_it_gets_alone(
+    lengths: list[int], heads: int, kv_heads: int, dim: int, window: int
+) -> None:
+    q, k, v, starts, ends = step_operands(lengths, heads, kv_heads, dim)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    kernels.prefill_attention_chunks_(out, q, k, v, starts, ends, dim**-0.5, window)
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for first, last in zip(starts, ends, strict=True):
+        alone = kernels.prefill_attention(
+            q[first:last], k[first:last].transpose(0, 1), v[first:last].transpose(0, 1), 0,
+            dim**-0.5, window,
+        )  # fmt: skip
+        assert torch.equal(out[first:last], alone)
+        covered[first:last] = True
+    assert (out[~covered] == 7.0).all()  # the other tokens' rows are left as they were
+
+
+@needs_kernel
+def test_chunks_in_one_call_refuses_what_it_cannot_take() -> None:
+    q, k, v, starts, ends = step_operands([5, 6], 4, 2, 64)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"chunk 1 is tokens \[7, 14\) of 13"):
+        kernels.prefill_attention_chunks_(out, q, k, v, starts, [6, 14], 0.125, 0)
+    with pytest.raises(RuntimeError, match="a start and an end a chunk"):
+        kernels.prefill_attention_chunks_(out, q, k, v, starts, ends[:1], 0.125, 0)
+    with pytest.raises(RuntimeError, match="out must be contiguous and shaped like q"):
+        kernels.prefill_attention_chunks_(out[:-1], q, k, v, starts, ends, 0.125, 0)
+    with pytest.raises(RuntimeError, match="k and v must be q's tokens'"):
+        kernels.prefill_attention_chunks_(out, q, k[:-1], v[:-1], starts, ends, 0.125, 0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.prefill_attention_chunks_(out.float(), q, k, v, starts, ends, 0.125, 0)
 
 
 def test_built_exactly_where_the_cpu_has_avx512_bf16() -> None:

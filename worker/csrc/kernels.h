@@ -45,6 +45,14 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
 bool has_bf16_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t offset, double scale, int64_t window);
+// Fresh prefill chunks of one step (no cached prefix) in one call: chunk c's queries are rows
+// [starts[c], ends[c]) of q [tokens, heads, dim], its keys and values the same rows of k and
+// v [tokens, kv_heads, dim]; its attention goes to the same rows of out (the others are left
+// as they are). Each chunk's result is the one prefill_attention gives it alone.
+void prefill_attention_chunks_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::vector<int64_t>& starts,
+                               const std::vector<int64_t>& ends, double scale,
+                               int64_t window);
 bool has_bf16_gemm();
 bool bf16_gemm_packs();
 at::Tensor bf16_gemm_pack(const at::Tensor& weight);

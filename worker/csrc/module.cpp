@@ -28,6 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(window 0: none)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
         py::arg("window"));
+  m.def("prefill_attention_chunks_", &prefill_attention_chunks_,
+        "causal attention of a step's fresh bfloat16 prefill chunks (no cached prefix) in one "
+        "call: chunk c is rows [starts[c], ends[c]) of q, k and v, its result those rows of out",
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
+        py::arg("ends"), py::arg("scale"), py::arg("window"));
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_gemm was built (AVX512-BF16)");
   m.def("bf16_gemm_packs", &bf16_gemm_packs,
         "whether bfloat16 projections past the GEMV's rows go to bf16_gemm (not oneDNN) here");

@@ -201,43 +201,79 @@ void tile_rows(int64_t rows, const PrefillProblem& p, const Head& head,
 }
 #endif
 
-void attend(const PrefillProblem& p) {
+// Every chunk's attention in two parallel regions: both of K and V packed per (chunk, KV
+// head), then every tile of every chunk from one shared counter, the tiles that see the
+// most keys first. A tile is the same rows of the same chunk however many chunks share
+// the call, so each chunk's result is the one it gets alone.
+void attend(const std::vector<PrefillProblem>& problems) {
 #if TANDEM_HAS_BF16_PREFILL
-  const int64_t keys = p.offset + p.queries, dim = p.dim, kv_heads = p.kv_heads;
-  const int64_t key_groups = (keys + kGroup - 1) / kGroup, key_pairs = (keys + 1) / 2;
-  const int64_t k_size = key_groups * kGroup * dim, v_size = key_pairs * 2 * dim;
-  // Both packed per KV head once, read by every tile of its queries.
-  std::vector<Bits> packed(kv_heads * (k_size + v_size));
-  at::parallel_for(0, kv_heads * 2, 1, [&](int64_t begin, int64_t end) {
+  struct Sizes {
+    int64_t keys, k_size, v_size, first;  // first: the chunk's packed heads' offset
+  };
+  std::vector<Sizes> sizes;
+  std::vector<int64_t> first_pack{0};  // chunk c's packing tasks: [first_pack[c], [c + 1])
+  int64_t total = 0;
+  for (const PrefillProblem& p : problems) {
+    const int64_t keys = p.offset + p.queries;
+    const int64_t k_size = (keys + kGroup - 1) / kGroup * kGroup * p.dim;
+    const int64_t v_size = (keys + 1) / 2 * 2 * p.dim;
+    sizes.push_back({keys, k_size, v_size, total});
+    total += p.kv_heads * (k_size + v_size);
+    first_pack.push_back(first_pack.back() + p.kv_heads * 2);
+  }
+  // Both packed per KV head once, read by every tile of its chunk's queries.
+  std::vector<Bits> packed(total);
+  const auto packed_head = [&](size_t c, int64_t h) {
+    return packed.data() + sizes[c].first + h * (sizes[c].k_size + sizes[c].v_size);
+  };
+  at::parallel_for(0, first_pack.back(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / 2;
-      Bits* k_out = packed.data() + h * (k_size + v_size);
-      if (task % 2 == 0)
-        pack_keys(p.k + h * p.k_head_stride, p.k_token_stride, keys, dim, k_out);
+      const size_t c = std::upper_bound(first_pack.begin(), first_pack.end(), task) -
+                       first_pack.begin() - 1;
+      const PrefillProblem& p = problems[c];
+      const int64_t local = task - first_pack[c], h = local / 2;
+      Bits* k_out = packed_head(c, h);
+      if (local % 2 == 0)
+        pack_keys(p.k + h * p.k_head_stride, p.k_token_stride, sizes[c].keys, p.dim, k_out);
       else
-        pack_values(p.v + h * p.v_head_stride, p.v_token_stride, keys, dim, k_out + k_size);
+        pack_values(p.v + h * p.v_head_stride, p.v_token_stride, sizes[c].keys, p.dim,
+                    k_out + sizes[c].k_size);
     }
   });
-  std::vector<Head> heads(kv_heads);
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    const Bits* base = packed.data() + h * (k_size + v_size);
-    heads[h] = {reinterpret_cast<const __m512bh*>(base),
-                reinterpret_cast<const __m512bh*>(base + k_size), key_pairs};
+  struct Task {
+    int64_t keys, chunk, row0, h;  // keys: the most its rows see, its cost's measure
+  };
+  std::vector<Task> tasks;
+  for (size_t c = 0; c < problems.size(); ++c) {
+    const PrefillProblem& p = problems[c];
+    const int64_t group = p.heads / p.kv_heads, rows = p.queries * group;
+    for (int64_t row0 = 0; row0 < rows; row0 += kTileRows)
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        const int64_t last = std::min(rows, row0 + kTileRows) - 1;
+        const int64_t seen = p.offset + last / group + 1 - first_key(p, p.offset + row0 / group);
+        tasks.push_back({seen, static_cast<int64_t>(c), row0, h});
+      }
   }
-  const int64_t rows = p.queries * (p.heads / kv_heads);
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows, tasks = tiles * kv_heads;
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.keys > b.keys; });
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;  // every task this thread takes, whatever range it was handed
-    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t tile = tiles - 1 - task / kv_heads, h = task % kv_heads;  // last first
-      const int64_t row0 = tile * kTileRows;
-      tile_rows(std::min(kTileRows, rows - row0), p, heads[h], h, row0, scratch);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+      const Task& t = tasks[i];
+      const PrefillProblem& p = problems[t.chunk];
+      const Bits* base = packed_head(t.chunk, t.h);
+      const Head head{reinterpret_cast<const __m512bh*>(base),
+                      reinterpret_cast<const __m512bh*>(base + sizes[t.chunk].k_size),
+                      (sizes[t.chunk].keys + 1) / 2};
+      const int64_t rows = p.queries * (p.heads / p.kv_heads);
+      tile_rows(std::min(kTileRows, rows - t.row0), p, head, t.h, t.row0, scratch);
     }
   });
 #else
-  (void)p;
+  (void)problems;
 #endif
 }
 
@@ -270,6 +306,48 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                          queries, offset, heads, kv_heads, dim, window,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          v.stride(0), v.stride(1), static_cast<float>(scale)};
-  attend(p);
+  attend({p});
   return out;
+}
+
+void prefill_attention_chunks_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::vector<int64_t>& starts,
+                               const std::vector<int64_t>& ends, double scale,
+                               int64_t window) {
+  TORCH_CHECK(has_bf16_prefill_attention(),
+              "prefill_attention_chunks_: this build has no AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
+              "prefill_attention_chunks_: out and q [tokens, heads, dim], k and v [tokens, "
+              "kv_heads, dim]");
+  const at::Tensor& written = out;
+  for (const at::Tensor* t : {&written, &q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu() && t->stride(2) == 1,
+                "prefill_attention_chunks_: CPU bfloat16 tensors, each row's dims contiguous");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
+              "prefill_attention_chunks_: out must be contiguous and shaped like q");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == tokens && k.size(2) == dim,
+              "prefill_attention_chunks_: k and v must be q's tokens' [tokens, kv_heads, dim]");
+  TORCH_CHECK(dim % 32 == 0, "prefill_attention_chunks_: head dim a multiple of 32");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "prefill_attention_chunks_: heads by KV head");
+  TORCH_CHECK(window >= 0, "prefill_attention_chunks_: window must be 0 (none) or positive");
+  TORCH_CHECK(starts.size() == ends.size(), "prefill_attention_chunks_: a start and an end a chunk");
+  const auto bits = [](const at::Tensor& t) {
+    return reinterpret_cast<const Bits*>(t.data_ptr<at::BFloat16>());
+  };
+  Bits* out_rows = reinterpret_cast<Bits*>(out.data_ptr<at::BFloat16>());
+  std::vector<PrefillProblem> problems;
+  for (size_t c = 0; c < starts.size(); ++c) {
+    const int64_t first = starts[c], last = ends[c];
+    TORCH_CHECK(0 <= first && first < last && last <= tokens,
+                "prefill_attention_chunks_: chunk ", c, " is tokens [", first, ", ", last,
+                ") of ", tokens);
+    problems.push_back({bits(q) + first * q.stride(0), bits(k) + first * k.stride(0),
+                        bits(v) + first * v.stride(0), out_rows + first * heads * dim,
+                        last - first, 0, heads, kv_heads, dim, window,
+                        q.stride(0), q.stride(1), k.stride(1), k.stride(0),
+                        v.stride(1), v.stride(0), static_cast<float>(scale)});
+  }
+  if (!problems.empty()) attend(problems);
 }
