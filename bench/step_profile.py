@@ -38,7 +38,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +48,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import worker.model_runner as model_runner_module
 from api_server.detokenizer import IncrementalDetokenizer
-from bench.floor import Machine, ModelCost, bandwidth_gb_s, matmul_tflops, model_cost
+from bench.floor import Machine, bandwidth_gb_s, matmul_tflops, model_cost
+from bench.fused_phases import FusedLabel, layer_projection_params, phase_rates, run_timing_phases
 from bench.harness import print_table, write_results
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.ipc import Codec
@@ -64,11 +65,9 @@ from common.messages import (
 from common.model_files import resolve_model_dir
 from engine_core.core import EngineCore
 from engine_core.executor import PoolEvents
-from worker.attention import AttentionMetadata
 from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
-from worker.models.decode_stack import DecodeStack
-from worker.models.decoder import DecoderLM, FusedDecode
+from worker.models.decoder import DecoderLM
 from worker.models.packed_linear import ONEDNN, PackedLinear
 
 CONTEXT = 128
@@ -136,34 +135,6 @@ def _label(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return labelled
-
-
-class FusedLabel:
-    """A ``FusedDecode`` whose calls are labelled in the profile, and that counts the KV
-    positions its steps attend to (for the attention phase's bytes read)."""
-
-    def __init__(self, fused: FusedDecode, call: Callable[..., torch.Tensor]) -> None:
-        self._fused, self._call = fused, call
-        self.positions = 0
-
-    @property
-    def stack(self) -> DecodeStack | None:
-        """The fused stack, where it is ``decode_rows``' (whose phases are timed)."""
-        return self._fused if isinstance(self._fused, DecodeStack) else None
-
-    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return self._fused.takes(meta, num_tokens)
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        if meta.decode_context_lens is not None:
-            self.positions += int(meta.decode_context_lens.sum())
-        return self._call(x, rope, kv_caches, meta)
 
 
 def label_ops(runner: ModelRunner) -> None:
@@ -310,37 +281,6 @@ def api_seconds(setup: Setup, result: ModelRunnerOutput, repeats: int) -> float:
     return median_time(one_step, repeats)
 
 
-def run_timing_phases(
-    setup: Setup, step: Callable[[], object], steps: int
-) -> dict[str, Any] | None:
-    """``steps`` steps, with ``decode_rows`` timing its phases where the step is its (each
-    phase's wall time on the step's thread, the parallel regions' waits included; reading
-    the clock costs ~10 us a step): each phase's mean ms a step and the KV positions a
-    step's attention read, or None where the steps were not ``decode_rows``'."""
-    fused = setup.runner.model.fused_decode
-    stack = fused.stack if isinstance(fused, FusedLabel) else None
-    if stack is None:
-        for _ in range(steps):
-            step()
-        return None
-    assert isinstance(fused, FusedLabel)
-    names = stack.kernels.decode_rows_phases()
-    stack.phase_seconds = torch.zeros(len(names), dtype=torch.float64)
-    fused.positions = 0
-    try:
-        for _ in range(steps):
-            step()
-        seconds = stack.phase_seconds.tolist()
-    finally:
-        stack.phase_seconds = None
-    if not any(seconds):
-        return None  # the steps' rows went to decode_layers
-    return {
-        "phases_ms": {n: 1e3 * t / steps for n, t in zip(names, seconds, strict=True)},
-        "positions_per_step": fused.positions / steps,
-    }
-
-
 def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]) -> dict[str, Any]:
     core, pool = setup.decoding_core(batch)
     walls, runners = [], []
@@ -351,7 +291,7 @@ def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]
         walls.append(time.perf_counter() - start)
         runners.append(pool.runner_s)
 
-    phases = run_timing_phases(setup, timed_step, steps)
+    phases = run_timing_phases(setup.runner.model.fused_decode, timed_step, steps)
     runner_s = statistics.median(runners)
     engine_s = max(0.0, statistics.median(w - r for w, r in zip(walls, runners, strict=True)))
     shares = model_shares(core.step, steps)
@@ -371,38 +311,6 @@ def profile_batch(setup: Setup, batch: int, steps: int, floors: dict[str, float]
         "parts_ms": {k: v * 1e3 for k, v in parts.items()},
         "fused_phases": phases,
     }
-
-
-def layer_projection_params(model: DecoderLM) -> int:
-    """Weights of every layer's projections (the fused step's GEMMs; not the LM head)."""
-    return sum(
-        m.in_features * m.out_features
-        for layer in model.model.layers
-        for m in layer.modules()
-        if isinstance(m, PackedLinear)
-    )
-
-
-def phase_rates(
-    row: dict[str, Any], projection_params: int, cost: ModelCost, machine: Machine, itemsize: int
-) -> str:
-    """What the fused step's projections computed and read, and its attention read, per
-    second, against the machine's matmul rate and read bandwidth."""
-    phases, batch = row["fused_phases"], row["batch"]
-    projection_s = phases["phases_ms"]["projections"] / 1e3
-    tflops = 2 * batch * projection_params / projection_s / 1e12
-    weights_gb_s = projection_params * itemsize / projection_s / 1e9
-    attention_s = phases["phases_ms"]["attention"] / 1e3
-    kv_bytes = phases["positions_per_step"] * cost.kv_bytes_per_position
-    kv_gb_s = kv_bytes / attention_s / 1e9
-    context = phases["positions_per_step"] / batch
-    return (
-        f"batch {batch}, fused phases (contexts ~{context:.0f}): projections "
-        f"{tflops:.2f} TFLOP/s ({100 * tflops / machine.matmul_tflops:.0f}% of the matmul "
-        f"rate), their weights read at {weights_gb_s:.1f} GB/s; attention read "
-        f"{kv_bytes / 1e6:.0f} MB of KV at {kv_gb_s:.1f} GB/s "
-        f"({100 * kv_gb_s / machine.read_gb_s:.0f}% of the read bandwidth)"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

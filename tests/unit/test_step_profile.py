@@ -12,7 +12,8 @@ import torch
 from torch.profiler import record_function
 
 from bench.floor import Machine, ModelCost
-from bench.step_profile import PARTS, model_shares, phase_rates
+from bench.fused_phases import phase_rates
+from bench.step_profile import PARTS, model_shares
 
 
 def test_time_is_attributed_to_labels_kinds_and_python() -> None:
