@@ -53,12 +53,10 @@ def run_timing_phases(
     phase's wall time on the step's thread, the parallel regions' waits included; reading
     the clock costs ~10 us a step): each phase's mean ms a step and the KV positions a
     step's attention read, or None where the steps were not ``decode_rows``'."""
-    stack = fused.stack if isinstance(fused, FusedLabel) else None
-    if stack is None:
+    if not isinstance(fused, FusedLabel) or (stack := fused.stack) is None:
         for _ in range(steps):
             step()
         return None
-    assert isinstance(fused, FusedLabel)
     names = stack.kernels.decode_rows_phases()
     stack.phase_seconds = torch.zeros(len(names), dtype=torch.float64)
     fused.positions = 0

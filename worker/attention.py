@@ -18,6 +18,7 @@ window keeps one call with the window's mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +77,12 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]: the query is the last
     prefills: tuple[PrefillChunk, ...]
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def fresh_prefills(self) -> tuple[PrefillChunk, ...]:
+        """The prefill chunks with nothing cached before them (their keys are the step's
+        own K/V rows), found once per step rather than once per layer."""
+        return tuple(chunk for chunk in self.prefills if chunk.context_start == 0)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool, once per window per step."""
@@ -200,9 +207,8 @@ def paged_attention(
         if only_decodes:
             return decode_out
         out.index_copy_(0, meta.decode_token_indices, decode_out)
-    fresh = [chunk for chunk in meta.prefills if chunk.context_start == 0]
-    if fresh:  # their keys are this step's own: every such chunk at once
-        ops.fresh_prefill_attention(out, q, k, v, fresh, scale, window)
+    if meta.fresh_prefills:  # their keys are this step's own: every such chunk at once
+        ops.fresh_prefill_attention(out, q, k, v, meta.fresh_prefills, scale, window)
     for chunk in meta.prefills:
         if chunk.context_start == 0:
             continue
