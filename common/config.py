@@ -107,7 +107,9 @@ class SchedulerConfig:
     # 512 rather than vLLM's 2048: on a CPU a step of 2,048 prompt tokens takes ~0.5 s,
     # and every stream decoding beside it waits that long; in 512-token steps the first
     # prompts of a burst start streaming sooner (32 chat prompts at once: TTFT p50 447-467
-    # -> 308-316 ms, tok/s level, paired, docs/benchmarks.md). A GPU may want more.
+    # -> 308-316 ms, tok/s level, paired, docs/benchmarks.md). The price: where long
+    # prompts keep arriving, more steps carry a chunk (mixed at 8 clients: ITL p95 20 -> 60
+    # ms, p99 265 -> 168). A GPU may want more.
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = a prompt may take the whole step budget
