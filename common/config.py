@@ -106,7 +106,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # 512 rather than vLLM's 2048: on a CPU a step of 2,048 prompt tokens takes ~0.5 s,
     # and every stream decoding beside it waits that long; in 512-token steps the first
-    # prompts of a burst start streaming sooner (32 chat prompts at once: TTFT p50 447-467
+    # prompts of a burst start streaming sooner (32 chat prompts at once: TTFT p50 444-467
     # -> 308-316 ms, tok/s level, paired, docs/benchmarks.md). The price: where long
     # prompts keep arriving, more steps carry a chunk (mixed at 8 clients: ITL p95 20 -> 60
     # ms, p99 265 -> 168). A GPU may want more.
