@@ -23,6 +23,14 @@
 // 16 rows, 4-6% off 24-32 and 1-3% off 40-64. Of the other tiles tried (8 x 48, 9 x 48,
 // and 16 outputs by up to 28 rows, which read each group in halves) none was faster.
 //
+// While a group's tiles compute, they fetch the thread's next group into L2, its lines
+// spread evenly over every tile's K pairs; a thread's last group fetches its first group of
+// the projection the caller runs next (Bf16GemmNext), which would otherwise start from
+// memory. Against fetching the next group in the first tile alone and nothing of the next
+// projection, a 32-row SmolLM2 step's projections took 7.08-8.11 ms instead of 8.26-8.45
+// (bench.step_profile, builds alternated), and 32 clients got 4-6% more tokens a second
+// (bench.paired; docs/benchmarks.md).
+//
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
 // has. Without AVX512-BF16 has_bf16_gemm() is false and oneDNN keeps those rows.
@@ -61,18 +69,34 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// Cache lines [first, first + lines) of weights a later tile reads, fetched into L2 while
+// this tile computes.
+struct Ahead {
+  const __m512bh* first = nullptr;  // a vector is one line
+  int64_t lines = 0;
+
+  // Share `part` of `parts`, as even as whole lines allow.
+  Ahead share(int64_t part, int64_t parts) const {
+    const int64_t begin = lines * part / parts, end = lines * (part + 1) / parts;
+    return {first + begin, end - begin};
+  }
+};
+
 // y[r][out0 + 16 b + i] for r < R, b < B (x and y start at the tile's first row): one
 // tile over every K pair of x's rows (pairs each) and the group's weights w.
 template <int R, int B>
 void tile(const uint32_t* x, int64_t pairs, const __m512bh* w, const uint16_t* bias,
-          int64_t out0, int64_t out_features, uint16_t* y, const __m512bh* next) {
+          int64_t out0, int64_t out_features, uint16_t* y, Ahead ahead) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  // ahead.lines / pairs lines a K pair, the remainder carried (no division in the loop).
+  const char* line = reinterpret_cast<const char*>(ahead.first);
+  int64_t owed = 0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512bh wv[B];
-    if (next != nullptr)
-      for (int b = 0; b < B; ++b) _mm_prefetch((const char*)(next + kp * B + b), _MM_HINT_T1);
+    for (owed += ahead.lines; owed >= pairs; owed -= pairs, line += 64)
+      _mm_prefetch(line, _MM_HINT_T1);
     for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + kp * B + b);
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + kp]);
@@ -96,11 +120,11 @@ void tile(const uint32_t* x, int64_t pairs, const __m512bh* w, const uint16_t* b
 template <int B>
 void tile_rows(int64_t height, const uint32_t* x, int64_t pairs, const __m512bh* w,
                const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y,
-               const __m512bh* next) {
+               Ahead ahead) {
   switch (height) {
 #define TANDEM_TILE(R)                                                 \
   case R:                                                              \
-    return tile<R, B>(x, pairs, w, bias, out0, out_features, y, next);
+    return tile<R, B>(x, pairs, w, bias, out0, out_features, y, ahead);
     TANDEM_TILE(1) TANDEM_TILE(2) TANDEM_TILE(3) TANDEM_TILE(4) TANDEM_TILE(5)
     TANDEM_TILE(6) TANDEM_TILE(7) TANDEM_TILE(8) TANDEM_TILE(9) TANDEM_TILE(10)
     TANDEM_TILE(11) TANDEM_TILE(12) TANDEM_TILE(13) TANDEM_TILE(14)
@@ -113,19 +137,29 @@ void tile_rows(int64_t height, const uint32_t* x, int64_t pairs, const __m512bh*
 // Every row of x against one group, in as few tiles as kTileRows allows. Each tile
 // reads the group again, so the count of tiles is what costs; the first reads it from
 // memory, which takes about as long as its sums however many rows it has, so it takes the
-// most rows and the others share the rest evenly (32 rows: 14, 9, 9).
+// most rows and the others share the rest evenly (32 rows: 14, 9, 9). The lines `ahead`
+// are shared between the tiles: fetched in the first alone (its K pairs are a third of the
+// group's time, and the memory then serves both threads' fetches at once), a step's
+// projections took 2-4% longer.
 template <int B>
 void group_rows(const uint32_t* x, int64_t rows, int64_t pairs, const __m512bh* w,
                 const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y,
-                const __m512bh* next) {
+                Ahead ahead) {
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  if (tiles == 1) return tile_rows<B>(rows, x, pairs, w, bias, out0, out_features, y, next);
-  tile_rows<B>(kTileRows, x, pairs, w, bias, out0, out_features, y, next);
+  if (tiles == 1) return tile_rows<B>(rows, x, pairs, w, bias, out0, out_features, y, ahead);
+  tile_rows<B>(kTileRows, x, pairs, w, bias, out0, out_features, y, ahead.share(0, tiles));
   const int64_t rest = rows - kTileRows, others = tiles - 1;
   const int64_t base = rest / others, longer = rest % others;  // the first `longer` get one more
   for (int64_t t = 0, r = kTileRows; t < others; r += base + (t < longer), ++t)
     tile_rows<B>(base + (t < longer), x + r * pairs, pairs, w, bias, out0, out_features,
-                 y + r * out_features, nullptr);
+                 y + r * out_features, ahead.share(t + 1, tiles));
+}
+
+// Group g of a packed weight of `blocks` 16-output blocks and `pairs` K pairs: its lines.
+Ahead group_lines(const uint16_t* packed, int64_t blocks, int64_t pairs, int64_t g) {
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
+  const int64_t first_block = g * kGroupBlocks;
+  return {w + first_block * pairs, std::min(kGroupBlocks, blocks - first_block) * pairs};
 }
 
 #endif
@@ -207,7 +241,8 @@ bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_
 }
 
 void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
-                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features) {
+                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features,
+                    const Bf16GemmNext* then) {
   TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(in_features % 2 == 0, "bf16_gemm_rows: x's rows must be whole pairs");
 #if TANDEM_HAS_BF16_GEMM
@@ -215,23 +250,34 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
   const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
   const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  // The first group each thread takes of `then` (parallel_steal's starting shares, one
+  // per thread of the parallel region, as that call will split them).
+  const auto then_first = [&](int64_t thread) -> Ahead {
+    if (then == nullptr) return {};
+    const int64_t then_blocks = blocks_of(then->out_features);
+    const int64_t then_groups = (then_blocks + kGroupBlocks - 1) / kGroupBlocks;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), then_groups);
+    if (thread >= threads) return {};
+    return group_lines(then->packed, then_blocks, padded_pairs(then->in_features),
+                       thread * then_groups / threads);
+  };
   tandem::parallel_steal(groups, [&](int64_t g, int64_t following) {
     const int64_t first_block = g * kGroupBlocks;
     const int64_t group = std::min(kGroupBlocks, blocks - first_block);
     const __m512bh* wg = w + first_block * pairs;
     const int64_t out0 = first_block * kBlock;
-    // The thread's next group's weights, fetched into L2 while this one's first tile runs
-    // (only a full group: the last one may be shorter).
-    const bool full_next = following >= 0 && blocks - following * kGroupBlocks >= kGroupBlocks;
-    const __m512bh* next = full_next ? w + following * kGroupBlocks * pairs : nullptr;
+    // What this thread computes next: a group of this weight, or, after its last, its first
+    // of the next projection.
+    const Ahead ahead = following >= 0 ? group_lines(packed, blocks, pairs, following)
+                                       : then_first(at::get_thread_num());
     static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
     if (group == 2)
-      group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
+      group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, ahead);
     else
-      group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, next);
+      group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, ahead);
   });
 #else
-  (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features;
+  (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features, (void)then;
 #endif
 }
 
@@ -244,9 +290,9 @@ void bf16_gemm_group(const uint16_t* x, int64_t rows, int64_t in_features, const
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
   const __m512bh* w = reinterpret_cast<const __m512bh*>(group);
   if (out_features - out0 > kBlock)
-    group_rows<2>(xs, rows, in_features / 2, w, bias, out0, out_features, y, nullptr);
+    group_rows<2>(xs, rows, in_features / 2, w, bias, out0, out_features, y, Ahead{});
   else
-    group_rows<1>(xs, rows, in_features / 2, w, bias, out0, out_features, y, nullptr);
+    group_rows<1>(xs, rows, in_features / 2, w, bias, out0, out_features, y, Ahead{});
 #else
   (void)x, (void)rows, (void)group, (void)bias, (void)y;
 #endif

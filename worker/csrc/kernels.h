@@ -122,10 +122,17 @@ void act_mul_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t n, i
 void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                     int64_t M, int64_t N, int64_t K);
 // bf16_gemm on raw rows of an even in_features (whole bfloat16 pairs), over a weight that
-// bf16_gemm_holds; bf16_gemm_rows checks only that this build has the kernel.
+// bf16_gemm_holds; bf16_gemm_rows checks only that this build has the kernel. `then`, if
+// given, is the packed weight the caller projects with next: each thread fetches its first
+// weights of that call into cache while it computes its last of this one.
 bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_features);
+struct Bf16GemmNext {
+  const uint16_t* packed;
+  int64_t out_features, in_features;
+};
 void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
-                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features);
+                    uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features,
+                    const Bf16GemmNext* then = nullptr);
 // bf16_gemm_pack one group at a time, for weights made on the fly: a group is the next
 // bf16_gemm_group_outputs() outputs; bf16_gemm_pack_group lays out rows [count, in] (count
 // up to a group's outputs; zeros past them and past an odd in) as bf16_gemm_pack lays out
