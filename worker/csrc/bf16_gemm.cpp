@@ -28,8 +28,8 @@
 // the projection the caller runs next (Bf16GemmNext), which would otherwise start from
 // memory. Against fetching the next group in the first tile alone and nothing of the next
 // projection, a 32-row SmolLM2 step's projections took 7.08-8.11 ms instead of 8.26-8.45
-// (bench.step_profile, builds alternated), and 32 clients got 4-6% more tokens a second
-// (bench.paired; docs/benchmarks.md).
+// (bench.step_profile, builds alternated), and 32 clients 3-5% more tokens a second (the
+// medians of two 5-round bench.paired runs; docs/benchmarks.md).
 //
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
