@@ -250,16 +250,16 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
   const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
   const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
-  // The first group each thread takes of `then` (parallel_steal's starting shares, one
-  // per thread of the parallel region, as that call will split them).
+  // The first group `thread` will take of `then`: its starting share's first, as
+  // parallel_steal splits that call.
   const auto then_first = [&](int64_t thread) -> Ahead {
     if (then == nullptr) return {};
     const int64_t then_blocks = blocks_of(then->out_features);
     const int64_t then_groups = (then_blocks + kGroupBlocks - 1) / kGroupBlocks;
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), then_groups);
+    const int64_t threads = tandem::steal_threads(then_groups);
     if (thread >= threads) return {};
     return group_lines(then->packed, then_blocks, padded_pairs(then->in_features),
-                       thread * then_groups / threads);
+                       tandem::share_begin(thread, then_groups, threads));
   };
   tandem::parallel_steal(groups, [&](int64_t g, int64_t following) {
     const int64_t first_block = g * kGroupBlocks;

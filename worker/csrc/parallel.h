@@ -38,6 +38,14 @@ struct alignas(64) Share {
 
 }  // namespace detail
 
+// How many threads parallel_steal runs `count` tasks on, and the first task of thread t's
+// starting share (its share is [share_begin(t), share_begin(t + 1))): a caller can tell
+// which tasks each thread will start on (bf16_gemm fetches their data ahead).
+inline int64_t steal_threads(int64_t count) {
+  return std::min<int64_t>(at::get_num_threads(), count);
+}
+inline int64_t share_begin(int64_t t, int64_t count, int64_t threads) { return t * count / threads; }
+
 // Runs body(task, next) for every task in [0, count) on at::get_num_threads() threads:
 // `next` is the task the same thread will most likely run after this one (-1 if none),
 // for prefetching its data while `task` computes.
@@ -53,21 +61,22 @@ template <typename Body>
 void parallel_steal(int64_t count, const Body& body) {
   if (count <= 0) return;
   TORCH_CHECK(count < (int64_t{1} << 31), "parallel_steal: too many tasks, ", count);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  const int64_t threads = steal_threads(count);
   std::unique_ptr<detail::Share[]> shares(new detail::Share[threads]);
   for (int64_t t = 0; t < threads; ++t)
-    shares[t].range.store(detail::Share::pack(t * count / threads, (t + 1) * count / threads),
+    shares[t].range.store(detail::Share::pack(share_begin(t, count, threads),
+                                              share_begin(t + 1, count, threads)),
                           std::memory_order_relaxed);
   // One index per thread (or, with one thread or inside a parallel region, all of them
   // on the calling thread).
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t own = first; own < last; ++own) {
       int64_t task;
-      const int64_t own_end = (own + 1) * count / threads;
+      const int64_t own_end = share_begin(own + 1, count, threads);
       while (shares[own].claim(true, &task)) body(task, task + 1 < own_end ? task + 1 : -1);
       for (int64_t k = 1; k < threads; ++k) {
         const int64_t victim = (own + k) % threads;
-        const int64_t victim_begin = victim * count / threads;
+        const int64_t victim_begin = share_begin(victim, count, threads);
         while (shares[victim].claim(false, &task))
           body(task, task - 1 >= victim_begin ? task - 1 : -1);
       }
