@@ -309,8 +309,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
   for (size_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights[l];
     // The GEMM weight after projection i, fetched while i's last groups compute (o's too,
-    // though attention runs in between: 32-row steps' projections were level or ~2% shorter
-    // with it than without).
+    // though attention runs in between: 32-row steps' projections took 0-4% less time with
+    // it than without; docs/benchmarks.md).
     const auto after = [&](size_t i) -> std::optional<Bf16GemmNext> {
       if (i == kLinearsPerLayer - 1 && l + 1 == layers) return std::nullopt;
       const size_t j = (i + 1) % kLinearsPerLayer;
