@@ -30,10 +30,21 @@ STUCK_LOG_LINES = 300  # room for every process's thread stacks
 CPU_WORKERS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+# Ports handed out in this test run. The kernel may give a port it just freed to the next
+# bind(0), so a test asking for three (HTTP, two pools) could get one twice and a server
+# would fail to listen (seen in CI: the API server's port was the decode pool's).
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, never one this run handed out before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def module_of(proc: psutil.Process) -> str | None:

@@ -192,6 +192,8 @@ def test_every_process_by_its_own_command(smollm2_dir: Path, tmp_path: Path) -> 
                     break
             except httpx.HTTPError:
                 pass
+            exited = [p.args for p in (engine, api, *workers) if p.poll() is not None]
+            assert not exited, f"exited before ready: {exited}"
             assert time.monotonic() < deadline, "never became ready"
             time.sleep(0.3)
         assert psutil.Process(engine.pid).children() == []  # it started none
