@@ -29,7 +29,10 @@
 // memory. Against fetching the next group in the first tile alone and nothing of the next
 // projection, a 32-row SmolLM2 step's projections took 7.08-8.11 ms instead of 8.26-8.45
 // (bench.step_profile, builds alternated), and 32 clients 3-5% more tokens a second (the
-// medians of two 5-round bench.paired runs; docs/benchmarks.md).
+// medians of two 5-round bench.paired runs; docs/benchmarks.md). Below kFetchFromRows rows
+// nothing is fetched: a tile of a few rows computes no longer than its group takes to
+// arrive, the one ascending stream the hardware prefetchers follow is as fast as the
+// memory, and the software fetches only compete with it.
 //
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
@@ -57,6 +60,11 @@ namespace {
 constexpr int64_t kBlock = 16;          // outputs per vector
 constexpr int64_t kGroupBlocks = 2;     // blocks per group: 32 outputs a tile
 constexpr int64_t kTileRows = 14;       // rows of x per tile, at most
+// The fewest rows at which fetching the next group (and projection) ahead pays. On a Zen 4
+// (bench.forward's decode step, fetching on and off alternated in one process), without
+// the fetches 1 row took 0.93x the time, 2 rows 0.92-0.95x, 4 rows 0.86x, 5 rows 0.94x;
+// 6 rows 0.97-1.05x, 7 rows 1.04-1.09x, 8 rows 1.09x, 32 rows 1.03x (docs/benchmarks.md).
+constexpr int64_t kFetchFromRows = 6;
 static_assert(kTileRows <= 14, "tile_rows has a tile for each height up to 14, the most registers hold");
 
 int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
@@ -267,9 +275,10 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
     const __m512bh* wg = w + first_block * pairs;
     const int64_t out0 = first_block * kBlock;
     // What this thread computes next: a group of this weight, or, after its last, its first
-    // of the next projection.
-    const Ahead ahead = following >= 0 ? group_lines(packed, blocks, pairs, following)
-                                       : then_first(at::get_thread_num());
+    // of the next projection; nothing for a few rows (kFetchFromRows).
+    const Ahead ahead = rows < kFetchFromRows ? Ahead{}
+                        : following >= 0      ? group_lines(packed, blocks, pairs, following)
+                                              : then_first(at::get_thread_num());
     static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
     if (group == 2)
       group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, ahead);
