@@ -343,6 +343,8 @@ class NativeOps(TorchOps):
         # projections at 1 row in 4.2 ms against the GEMV's 5.3 on an AMD EPYC (Zen 5)
         # reading 76 GB/s, and level with it (8.24 against 8.29) on the earlier AMD
         # EPYC hosts, whose memory and bf16 matmul were about half as fast (bench.gemv).
+        # On a Zen 4 the GEMM was 12% slower at 1 row until it stopped fetching ahead below
+        # 6 rows (bf16_gemm.cpp's kFetchFromRows): now 7.54 ms against 7.80.
         # No GEMV there also means no second, plain copy of the weights.
         if not self.kernels.has_bf16_gemv() or self.kernels.bf16_gemm_packs():
             return None
