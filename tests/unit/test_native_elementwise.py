@@ -53,14 +53,20 @@ def test_act_mul_matches_torch(activation: str, dtype: torch.dtype) -> None:
     scalar tail), values out to +-12 (where GeGLU's cubic term sends exp past float32's
     range) and exact zeros."""
     kernels = load_native_kernels()
-    gate_up = (torch.randn(6, 2 * 100) * 4).clamp(-12, 12)
+    generator = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(6, 2 * 100, generator=generator) * 4).clamp(-12, 12)
     gate_up[0, :8] = torch.tensor([-12.0, -11.0, -9.5, 0.0, 12.0, 11.0, 9.5, -0.0])
     gate_up = gate_up.to(dtype)
     gate, up = gate_up.split(100, dim=-1)
     expected = ACTIVATIONS[activation](gate) * up
     ours = kernels.act_mul(gate_up, NATIVE_ACTIVATIONS[activation])
     if dtype == torch.float32:
-        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+        # Past x ~ -4 GELU is 0.5 x (1 + tanh(..)) with tanh near -1: both sides lose the
+        # same digits to that cancellation and round them differently, so the bound is a
+        # float32 step of x * up there (a fixed 1e-6 failed ~6% of random draws; the worst
+        # of 500 seeds is a quarter of this bound).
+        bound = 1e-5 * expected.abs() + 2.0**-23 * (gate * up).abs()
+        assert ((ours - expected).abs() <= bound).all()
     else:  # the activation and the product each rounded: at most two bfloat16 steps
         step = 2.0**-7 * expected.float().abs().clamp_min(1e-3)
         assert ((ours.float() - expected.float()).abs() <= 2 * step).all()
