@@ -76,6 +76,7 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None
     decode_context_lens: torch.Tensor | None  # [num_decodes]: the query is the last
     prefills: tuple[PrefillChunk, ...]
+    positions_end: int  # one past the step's last position: what RoPE's table must hold
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
 
     @cached_property
@@ -113,9 +114,10 @@ def build_metadata(
     decode_lens: list[int] = []
     decode_indices: list[int] = []
     prefills: list[PrefillChunk] = []
-    token_start = 0
+    token_start = positions_end = 0
     for blocks, start, length in zip(block_tables, context_starts, chunk_lens, strict=True):
         end = start + length
+        positions_end = max(positions_end, end)
         num_blocks = -(-end // block_size)
         if num_blocks > len(blocks):
             raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {end} tokens")
@@ -131,7 +133,9 @@ def build_metadata(
         token_start += length
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     if not decode_tables:
-        return AttentionMetadata(block_size, slot_mapping, None, None, None, tuple(prefills))
+        return AttentionMetadata(
+            block_size, slot_mapping, None, None, None, tuple(prefills), positions_end
+        )
     max_blocks = max(len(t) for t in decode_tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables])
     lens = torch.tensor(decode_lens, dtype=torch.long)
@@ -142,6 +146,7 @@ def build_metadata(
         decode_block_table=table.to(device),
         decode_context_lens=lens.to(device),
         prefills=tuple(prefills),
+        positions_end=positions_end,
     )
 
 

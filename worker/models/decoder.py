@@ -290,7 +290,9 @@ class DecoderLM(CausalLM):
             x = x * torch.tensor(self.args.embed_scale, dtype=torch.float32, device=x.device).to(
                 x.dtype
             )
-        rope = {name: emb(positions, x.dtype) for name, emb in self.rotary.items()}
+        rope = {
+            name: emb(positions, x.dtype, meta.positions_end) for name, emb in self.rotary.items()
+        }
         fused = self.fused_decode
         if fused is not None and fused.takes(meta, x.shape[0]):
             return self.model.norm(fused(x, rope, kv_caches, meta))

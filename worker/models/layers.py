@@ -85,16 +85,38 @@ class RopeSpec:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin per position, computed in float32 as transformers does."""
+    """cos/sin per position, computed in float32 as transformers does, once per position:
+    a step looks its positions up in a table (two index_selects rather than seven ops over
+    cold caches, ~0.1 ms of a one-row decode step). Each entry is the same elementwise
+    computation as for that position alone, so the values are bit for bit the same."""
+
+    _MIN_POSITIONS = 1024
 
     def __init__(self, head_dim: int, spec: RopeSpec) -> None:
         super().__init__()
         self.head_dim, self.spec = head_dim, spec
-        # A plain attribute, not a buffer: models are built on the meta device and this
-        # must stay float32 whatever dtype the weights take.
+        # Plain attributes, not buffers: models are built on the meta device and these
+        # are derived, float32 first whatever dtype the weights take.
         self._inv_freq: torch.Tensor | None = None
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, positions_end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` [n] (each below ``positions_end``) -> cos, sin [n, head_dim]."""
+        table = self._tables.get(dtype)
+        if (
+            table is None
+            or table[0].shape[0] < positions_end
+            or table[0].device != positions.device
+        ):
+            size = max(self._MIN_POSITIONS, 1 << (positions_end - 1).bit_length())
+            table = self._compute(torch.arange(size, device=positions.device), dtype)
+            self._tables[dtype] = table
+        cos, sin = table
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _compute(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
