@@ -241,8 +241,10 @@ class ModelRunner:
         )
         if not sample_rows:
             return ModelRunnerOutput(step.step_id, [], [])
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(sample_rows) < len(input_ids):  # rows that do not sample: prefill chunks
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            hidden = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(hidden)
         if self.tp.rank > 0:  # its logits shard went into rank 0's gather; rank 0 samples
             if self.tp.broadcasts_samples:
                 shared = self.tp.share_samples([0] * len(sample_ids), self.device)
