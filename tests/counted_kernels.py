@@ -19,9 +19,8 @@ class CountedKernels:
     def __getattr__(self, name: str) -> object:
         return getattr(self._kernels, name)
 
-    def decode_rows(self, x: torch.Tensor, *args: object) -> torch.Tensor:
-        self.rows.append(x.shape[0])
-        return self._kernels.decode_rows(x, *args)  # type: ignore[attr-defined]
+    def DecodeRowsPlan(self, *args: object) -> _CountedPlan:  # the kernels' name
+        return _CountedPlan(self._kernels.DecodeRowsPlan(*args), self.rows)  # type: ignore[attr-defined]
 
     def decode_layers(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         self.layers.append(x.shape[0])
@@ -30,3 +29,14 @@ class CountedKernels:
     def gguf_bf16_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         self.matmuls.append(x.shape[0])
         return self._kernels.gguf_bf16_matmul(x, *args)  # type: ignore[attr-defined]
+
+
+class _CountedPlan:
+    """A ``DecodeRowsPlan`` that appends each step's rows to ``rows``."""
+
+    def __init__(self, plan: object, rows: list[int]) -> None:
+        self._plan, self._rows = plan, rows
+
+    def run(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self._rows.append(x.shape[0])
+        return self._plan.run(x, *args)  # type: ignore[attr-defined]

@@ -53,6 +53,7 @@ SOURCES = [
         "bf16_gemm.cpp",
         "decode_stack.cpp",
         "decode_rows.cpp",
+        "decode_rows_plan.cpp",
         "gguf_linear.cpp",
         "gguf_bf16_dot.cpp",
         "gguf_gemm.cpp",
@@ -63,6 +64,7 @@ SOURCES = [
 HEADERS = [
     CSRC / "simd.h",
     CSRC / "kernels.h",
+    CSRC / "decode_rows_plan.h",
     CSRC / "gguf_formats.h",
     CSRC / "attention_problem.h",
     CSRC / "parallel.h",
@@ -88,6 +90,22 @@ BASE_CFLAGS = [
     # No fused multiply-adds the source did not write: roundings must match PyTorch's.
     "-ffp-contract=off",
 ]
+
+
+class DecodeRowsPlan(Protocol):
+    """One model's ``decode_rows`` steps (``worker/csrc/kernels.h``): weights, caches and
+    shapes checked once; ``run`` takes a step."""
+
+    def run(
+        self,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos: list[torch.Tensor],
+        sin: list[torch.Tensor],
+        phase_seconds: torch.Tensor | None,
+    ) -> torch.Tensor: ...
 
 
 class NativeKernels(Protocol):
@@ -221,9 +239,8 @@ class NativeKernels(Protocol):
 
     def decode_rows_max_rows(self, gemm: bool) -> int: ...
 
-    def decode_rows(
+    def DecodeRowsPlan(  # the extension's class, made by calling it
         self,
-        x: torch.Tensor,
         norms: list[torch.Tensor],
         projections: list[torch.Tensor],
         gemm: bool,
@@ -237,19 +254,14 @@ class NativeKernels(Protocol):
         activation: int,
         kv_caches: list[torch.Tensor],
         windows: list[int],
-        slots: torch.Tensor,
-        block_table: torch.Tensor,
-        context_lens: torch.Tensor,
-        cos: list[torch.Tensor],
-        sin: list[torch.Tensor],
+        rope_of_layer: list[int],
         heads: int,
         kv_heads: int,
         head_dim: int,
         block_size: int,
         eps: float,
         scale: float,
-        phase_seconds: torch.Tensor | None,
-    ) -> torch.Tensor: ...
+    ) -> DecodeRowsPlan: ...
 
     def decode_rows_phases(self) -> list[str]: ...
 

@@ -201,19 +201,19 @@ def call_decode_rows(
     activation: int = 0,
     phase_seconds: torch.Tensor | None = None,
 ) -> None:
-    """decode_rows on one zero layer of width 8 (plain weights, two norms) and ``rows`` rows;
-    with ``gguf_types``, as if those weights were GGUF blocks; the layer's shape flags as
-    given (sandwich and Gemma norms off)."""
+    """decode_rows on one zero layer of width 8 (one head of 8, plain weights, two norms) and
+    ``rows`` rows; with ``gguf_types``, as if those weights were GGUF blocks; the layer's
+    shape flags as given (sandwich and Gemma norms off)."""
     kernels = load_native_kernels()
     x = torch.zeros(rows, 8, dtype=torch.bfloat16)
-    w = torch.zeros(8, 8, dtype=torch.bfloat16)
+    w = torch.zeros(8, 8, dtype=torch.bfloat16)  # o's; gate_up's too (intermediate 4)
+    qkv, down = torch.zeros(24, 8, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.bfloat16)
     cache = torch.zeros(2, 1, 1, BLOCK, 8, dtype=torch.bfloat16)
     table, lens = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, dtype=torch.long)
     slots, rope = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.bfloat16)
-    kernels.decode_rows(
-        x,
+    plan = kernels.DecodeRowsPlan(
         [w[0], w[0]],
-        [w] * 4,
+        [qkv, w, w, down],
         gemm,
         [None, None],
         gguf_types or [],
@@ -225,19 +225,15 @@ def call_decode_rows(
         activation,
         [cache],
         [0],
-        slots,
-        table,
-        lens,
-        [rope],
-        [rope],
+        [0],
         1,
         1,
         8,
         BLOCK,
         1e-6,
         1.0,
-        phase_seconds,
     )
+    plan.run(x, slots, table, lens, [rope], [rope], phase_seconds)
 
 
 def test_decode_rows_refuses_more_rows_than_the_gemv_takes() -> None:
@@ -262,8 +258,8 @@ def test_decode_rows_takes_any_rows_on_the_gemm() -> None:
 
 def test_decode_rows_refuses_plain_weights_for_the_gemm() -> None:
     kernels = load_native_kernels()
-    if kernels.decode_rows_max_rows(True) == 0:  # no AVX512-BF16: it takes no rows at all
-        with pytest.raises(RuntimeError, match="decode_rows takes 1 to 0 rows on the GEMM"):
+    if kernels.decode_rows_max_rows(True) == 0:  # no AVX512-BF16: no plan on the GEMM at all
+        with pytest.raises(RuntimeError, match="decode_rows: this build has no bf16_gemm"):
             call_decode_rows(1, gemm=True)
         return
     with pytest.raises(RuntimeError, match=r"weight 0 must be .*packed by bf16_gemm_pack"):

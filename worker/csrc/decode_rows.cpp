@@ -29,12 +29,15 @@
 #include <optional>
 #include <vector>
 
+#include "decode_rows_plan.h"
 #include "kernels.h"
 #include "simd.h"
 
-namespace {
+using tandem::decode_rows::Bf16;
+using tandem::decode_rows::is_bf16;
+using tandem::decode_rows::LayerWeights;
 
-using Bf16 = c10::BFloat16;
+namespace {
 
 
 // out = T(a + b), as at::add rounds a bfloat16 sum: in float32, once. Split between threads
@@ -53,15 +56,6 @@ void add_rows(const Bf16* a, const Bf16* b, Bf16* out, int64_t count) {
 
 const uint16_t* bits(const Bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
-bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && t.is_contiguous(); }
-
-// One layer's weights, as raw pointers.
-struct LayerWeights {
-  const Bf16* norm[kMaxNormsPerLayer];  // by NormSlot
-  const Bf16* weight[kLinearsPerLayer];
-  const Bf16* bias[kBiasesPerLayer];
-  const at::Tensor* gguf_bias[kBiasesPerLayer];  // GGUF projections': float32, or null
-};
 
 // One projection's GGUF weight: `count` segments (consecutive outputs of one ggml type, as
 // QuantLinear.segments), segment s of type types[s] in blocks[s], its quants gguf_gemm_pack
@@ -158,131 +152,43 @@ int64_t decode_rows_max_rows(bool gemm) {
   return bf16_gemv_rows_on_every_host();
 }
 
-at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& norms,
-                       const std::vector<at::Tensor>& projections, bool gemm,
-                       const std::vector<std::optional<at::Tensor>>& biases,
-                       const std::vector<int64_t>& gguf_types,
-                       const std::vector<at::Tensor>& gguf_packed,
-                       const std::vector<int64_t>& gguf_segments, bool gemma_norms,
-                       bool qk_norms, bool sandwich_norms, int64_t activation,
-                       const std::vector<at::Tensor>& kv_caches,
-                       const std::vector<int64_t>& windows, const at::Tensor& slots,
-                       const at::Tensor& block_table, const at::Tensor& context_lens,
-                       const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                       double eps, double scale,
-                       const std::optional<at::Tensor>& phase_seconds) {
+at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
+                               const at::Tensor& block_table, const at::Tensor& context_lens,
+                               const std::vector<at::Tensor>& cos,
+                               const std::vector<at::Tensor>& sin,
+                               const std::optional<at::Tensor>& phase_seconds) const {
+  const State& st = *state_;
   TORCH_CHECK(!phase_seconds || (phase_seconds->scalar_type() == at::kDouble &&
                                  phase_seconds->is_contiguous() &&
                                  phase_seconds->numel() == kDecodePhases),
               "decode_rows: phase_seconds must be contiguous float64 [", kDecodePhases, "]");
-  const size_t layers = kv_caches.size();
-  const size_t norms_per_layer = decode_rows_norms_per_layer(qk_norms, sandwich_norms);
-  const Activation act = activation_of(activation);
-  const bool gguf = !gguf_types.empty();
-  TORCH_CHECK(layers > 0 && norms.size() == layers * norms_per_layer &&
-                  (gguf || projections.size() == layers * kLinearsPerLayer) &&
-                  biases.size() == layers * kBiasesPerLayer && windows.size() == layers &&
-                  cos.size() == layers && sin.size() == layers,
-              "decode_rows: per layer ", norms_per_layer, " norms, ", kLinearsPerLayer,
-              " weights, ", kBiasesPerLayer, " biases, a cache, a window and its cos and sin");
-  TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2, "decode_rows: x must be contiguous bfloat16 [n, hidden]");
-  const int64_t n = x_in.size(0), hidden = x_in.size(1);
-  // GGUF projections: projection p is gguf_segments[p] segments, the next ones in order;
-  // segment s is projections[s]'s blocks of ggml type gguf_types[s], repacked as
-  // gguf_packed[s]. The caller keeps n within what they all fuse.
-  TORCH_CHECK(!gguf || (!gemm && gguf_types.size() == projections.size() &&
-                        gguf_packed.size() == projections.size() &&
-                        gguf_segments.size() == layers * kLinearsPerLayer),
-              "decode_rows: GGUF projections take a type and a repacked weight each segment, "
-              "a segment count each projection, not the GEMM");
-  std::vector<size_t> first_segment{0};  // projection p's are [first_segment[p], [p + 1])
-  for (const int64_t count : gguf_segments) {
-    TORCH_CHECK(count >= 1, "decode_rows: a GGUF projection has at least one segment");
-    first_segment.push_back(first_segment.back() + static_cast<size_t>(count));
-  }
-  TORCH_CHECK(!gguf || first_segment.back() == projections.size(),
-              "decode_rows: the GGUF segment counts add up to ", first_segment.back(),
-              ", not the ", projections.size(), " segments given");
-  // Projection p's outputs (its segments' together).
-  const auto outputs = [&](size_t p) {
-    if (!gguf) return projections[p].size(0);
-    int64_t total = 0;
-    for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s)
-      total += projections[s].size(0);
-    return total;
-  };
-  TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(gemm)), "decode_rows takes 1 to ",
-              decode_rows_max_rows(gemm), " rows", gemm ? " on the GEMM" : " on the GEMV",
-              ", got ", n);
-  const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
-  const Projection project{gemm};
-  TORCH_CHECK(!project.gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");
-  // The raw-row kernels are built for AVX512-BF16 hosts, where the GEMV is.
-  TORCH_CHECK(project.gemm || has_bf16_gemv(), "decode_rows: this build has no GEMV");
-  const int64_t inter = outputs(2) / 2;
-  const int64_t shapes[kLinearsPerLayer][2] = {
-      {qkv_dim, hidden}, {hidden, q_dim}, {2 * inter, hidden}, {hidden, inter}};
-  // The GEMM reads x in bfloat16 pairs: every projection's input must hold whole pairs.
-  TORCH_CHECK(!project.gemm || (hidden % 2 == 0 && q_dim % 2 == 0 && inter % 2 == 0),
-              "decode_rows: the GEMM takes even input widths only");
-  std::vector<LayerWeights> weights(layers);
-  for (size_t l = 0; l < layers; ++l) {
-    for (size_t i = 0; i < kLinearsPerLayer; ++i) {
-      const size_t p = l * kLinearsPerLayer + i;
-      const int64_t out = shapes[i][0], in = shapes[i][1];
-      if (gguf) {  // gguf_linear checks the blocks' width against `in` on every call
-        for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s) {
-          const at::Tensor& w = projections[s];
-          TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-                      "decode_rows: layer ", l, " GGUF weight ", i,
-                      " must be contiguous uint8 [outputs, row bytes] segments");
-        }
-        TORCH_CHECK(outputs(p) == out, "decode_rows: layer ", l, " GGUF weight ", i, " has ",
-                    outputs(p), " outputs, not ", out);
-        continue;
-      }
-      const at::Tensor& w = projections[p];
-      TORCH_CHECK(project.gemm ? bf16_gemm_holds(w, out, in)
-                               : is_bf16(w) && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
-                  "decode_rows: layer ", l, " weight ", i, " must be contiguous bfloat16 [", out,
-                  ", ", in, "]", project.gemm ? ", packed by bf16_gemm_pack" : "");
-      weights[l].weight[i] = w.data_ptr<Bf16>();
-    }
-    for (size_t i = 0; i < kBiasesPerLayer; ++i) {
-      const auto& b = biases[l * kBiasesPerLayer + i];
-      // QuantLinear keeps its bias in float32 (gguf_linear adds it to the float32 product).
-      const at::ScalarType dtype = gguf ? at::kFloat : at::kBFloat16;
-      TORCH_CHECK(!b || (b->scalar_type() == dtype && b->is_contiguous() &&
-                         b->numel() == shapes[i][0]),
-                  "decode_rows: a bias must be contiguous [out], in float32 for GGUF "
-                  "projections, else in bfloat16");
-      weights[l].bias[i] = b && !gguf ? b->data_ptr<Bf16>() : nullptr;
-      weights[l].gguf_bias[i] = b && gguf ? &*b : nullptr;
-    }
-    for (size_t i = 0; i < norms_per_layer; ++i) {
-      const at::Tensor& norm = norms[l * norms_per_layer + i];
-      // The q and k norms come last, over one head each.
-      const bool per_head = qk_norms && i >= norms_per_layer - 2;
-      const size_t which = per_head ? kQNorm + (i - (norms_per_layer - 2)) : i;
-      TORCH_CHECK(is_bf16(norm) && norm.numel() == (per_head ? head_dim : hidden),
-                  "decode_rows: a norm's weight must be contiguous bfloat16 [",
-                  per_head ? "head_dim" : "hidden", "]");
-      weights[l].norm[which] = norm.data_ptr<Bf16>();
-    }
-    TORCH_CHECK(is_bf16(cos[l]) && is_bf16(sin[l]) && cos[l].numel() == n * head_dim &&
-                    sin[l].numel() == n * head_dim,
+  const int64_t hidden = st.hidden, heads = st.heads, kv_heads = st.kv_heads;
+  const int64_t head_dim = st.head_dim, block_size = st.block_size, inter = st.inter;
+  const int64_t q_dim = st.q_dim, qkv_dim = st.qkv_dim, num_blocks = st.num_blocks;
+  const bool gguf = st.gguf, qk_norms = st.qk_norms, sandwich_norms = st.sandwich_norms;
+  const bool gemma_norms = st.gemma_norms;
+  const double eps = st.eps, scale = st.scale;
+  const Projection project{st.gemm};
+  const std::vector<LayerWeights>& weights = st.weights;
+  const std::vector<size_t>& first_segment = st.first_segment;
+  const auto& shapes = st.shapes;
+  const size_t layers = weights.size();
+  TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2 && x_in.size(1) == hidden,
+              "decode_rows: x must be contiguous bfloat16 [n, ", hidden, "]");
+  const int64_t n = x_in.size(0);
+  TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(project.gemm)),
+              "decode_rows takes 1 to ", decode_rows_max_rows(project.gemm), " rows",
+              project.gemm ? " on the GEMM" : " on the GEMV", ", got ", n);
+  TORCH_CHECK(static_cast<int64_t>(cos.size()) == st.num_ropes &&
+                  static_cast<int64_t>(sin.size()) == st.num_ropes,
+              "decode_rows: a cos and a sin for each of the layers' ", st.num_ropes, " RoPEs");
+  for (int64_t i = 0; i < st.num_ropes; ++i)
+    TORCH_CHECK(is_bf16(cos[i]) && is_bf16(sin[i]) && cos[i].numel() == n * head_dim &&
+                    sin[i].numel() == n * head_dim,
                 "decode_rows: cos and sin must be contiguous bfloat16 [n, head_dim]");
-    const at::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(is_bf16(cache) && cache.dim() == 5 && cache.size(0) == 2 &&
-                    cache.size(1) == kv_caches[0].size(1) && cache.size(2) == kv_heads &&
-                    cache.size(3) == block_size && cache.size(4) == head_dim,
-                "decode_rows: every kv cache must be contiguous bfloat16 [2, num_blocks, ",
-                kv_heads, ", ", block_size, ", ", head_dim, "]");
-  }
 
   // Once for every layer: what write_kv and decode_attention check on each call.
-  const int64_t num_blocks = kv_caches[0].size(1), num_slots = num_blocks * block_size;
+  const int64_t num_slots = num_blocks * block_size;
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
               "slots must be contiguous int64 [n]");
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -324,7 +230,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
       if (gguf) {
         const size_t first = first_segment[at];
         project(x_rows,
-                GgufWeight{&projections[first], &gguf_packed[first], &gguf_types[first],
+                GgufWeight{&st.projections[first], &st.gguf_packed[first], &st.gguf_types[first],
                            first_segment[at + 1] - first, biased ? w.gguf_bias[i] : nullptr},
                 y, n, out, in);
       }
@@ -334,7 +240,8 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
                 then ? &*then : nullptr);
       }
     };
-    Bf16* cache = kv_caches[l].data_ptr<Bf16>();
+    Bf16* cache = st.caches[l];
+    const size_t rope = static_cast<size_t>(st.rope_of_layer[l]);
     // RMSNorm by this layer's norm `which` (a NormSlot), in the model's style.
     const auto norm = [&](const Bf16* rows, const Bf16* add, NormSlot which, Bf16* out,
                           Bf16* residual, int64_t count, int64_t width) {
@@ -352,7 +259,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
         norm(row + q_dim, nullptr, kKNorm, row + q_dim, nullptr, kv_heads, head_dim);
       }
     clock.lap(kPhaseNorms);
-    rotary_bf16(r.qkv, qkv_dim, cos[l].data_ptr<Bf16>(), sin[l].data_ptr<Bf16>(), n,
+    rotary_bf16(r.qkv, qkv_dim, cos[rope].data_ptr<Bf16>(), sin[rope].data_ptr<Bf16>(), n,
                 heads + kv_heads, head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
                   reinterpret_cast<const char*>(r.qkv + q_dim), qkv_dim * sizeof(Bf16),
@@ -364,7 +271,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     decode_attention_bf16_rows(tandem::attention::Problem<Bf16>{
         r.q, cache, cache + num_blocks * kv_heads * block_size * head_dim,
         block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
-        kv_heads, head_dim, block_table.size(1), block_size, windows[l],
+        kv_heads, head_dim, block_table.size(1), block_size, st.windows[l],
         static_cast<float>(scale)});
     clock.lap(kPhaseAttention);
     linear(1, r.attn, r.o, hidden, q_dim);
@@ -379,7 +286,7 @@ at::Tensor decode_rows(const at::Tensor& x_in, const std::vector<at::Tensor>& no
     clock.lap(kPhaseNorms);
     linear(2, r.h, r.gate_up, 2 * inter, hidden);
     clock.lap(kPhaseProjections);
-    act_mul_bf16(r.gate_up, r.act, n, inter, act);
+    act_mul_bf16(r.gate_up, r.act, n, inter, st.act);
     clock.lap(kPhaseActivation);
     linear(3, r.act, r.down, hidden, inter);
     clock.lap(kPhaseProjections);

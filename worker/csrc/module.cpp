@@ -73,9 +73,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the most rows decode_rows takes here on bf16_gemm (gemm) or the GEMV (0: no "
         "AVX512-BF16, no decode_rows)",
         py::arg("gemm"));
-  m.def("decode_rows", &decode_rows,
-        "decode_layers on raw rows: any rows on bf16_gemm, one or two on the GEMV, or GGUF "
-        "projections on gguf_linear");
+  py::class_<DecodeRowsPlan>(m, "DecodeRowsPlan",
+                             "decode_layers on raw rows for one model's steps: any rows on "
+                             "bf16_gemm, one or two on the GEMV, or GGUF projections on "
+                             "gguf_linear; its weights and caches checked once")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, bool,
+                    std::vector<std::optional<at::Tensor>>, std::vector<int64_t>,
+                    std::vector<at::Tensor>, const std::vector<int64_t>&, bool, bool, bool,
+                    int64_t, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("run", &DecodeRowsPlan::run, "a decode step of x's rows through every layer",
+           py::arg("x"), py::arg("slots"), py::arg("block_table"), py::arg("context_lens"),
+           py::arg("cos"), py::arg("sin"), py::arg("phase_seconds"));
   m.def("decode_rows_phases", &decode_rows_phases,
         "the phases of decode_rows' step, in the order its phase_seconds holds them");
   m.def("parallel_steal_trace", &parallel_steal_trace,

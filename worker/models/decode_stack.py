@@ -34,6 +34,7 @@ from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderArgs, DecoderLayer, DecoderLM
 from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
+from worker.native import DecodeRowsPlan
 from worker.ops import NATIVE_ACTIVATIONS, NativeOps, Ops
 
 
@@ -51,6 +52,10 @@ class DecodeStack:
         self.phase_seconds: torch.Tensor | None = None
         self.windows = [w or 0 for w in args.layer_windows] or [0] * args.num_layers
         self.ropes = list(args.layer_ropes) or ["default"] * args.num_layers
+        # decode_rows' plan takes each distinct RoPE's cos and sin once a step.
+        self.rope_names = list(dict.fromkeys(self.ropes))
+        # decode_rows' plan, and the caches list and block size it was made for
+        self._rows_plan: tuple[DecodeRowsPlan, list[torch.Tensor], int] | None = None
         # decode_layers (the tensor path) runs Llama-shaped layers only, and GGUF projections
         # of one segment; the others take decode_rows' steps and leave the rest to Python.
         self.llama_shaped = llama_shaped(args)
@@ -179,27 +184,13 @@ class DecodeStack:
         table, lens = meta.decode_block_table, meta.decode_context_lens
         assert table is not None and lens is not None
         if x.shape[0] <= self.raw_rows:
-            return self.kernels.decode_rows(
+            return self.rows_plan(kv_caches, meta.block_size).run(
                 x,
-                self.norms,
-                self.raw_weights,
-                self.raw_gemm,
-                self.biases,
-                self.raw_gguf_types,
-                self.raw_gguf_packed,
-                self.raw_gguf_segments,
-                self.gemma_norms,
-                self.qk_norms,
-                self.sandwich_norms,
-                self.activation,
-                kv_caches,
-                self.windows,
                 meta.slot_mapping,
                 table,
                 lens,
-                [rope[name][0] for name in self.ropes],
-                [rope[name][1] for name in self.ropes],
-                *self._shape(meta),
+                [rope[name][0] for name in self.rope_names],
+                [rope[name][1] for name in self.rope_names],
                 self.phase_seconds,
             )
         cos, sin = rope[self.ropes[0]]  # takes() sent only Llama-shaped layers: one RoPE
@@ -221,6 +212,36 @@ class DecodeStack:
             sin,
             *self._shape(meta),
         )
+
+    def rows_plan(self, kv_caches: list[torch.Tensor], block_size: int) -> DecodeRowsPlan:
+        """decode_rows' plan over these caches: made at the first step (the caches are made
+        after the stack) and again only if the runner's caches list were another."""
+        made = self._rows_plan
+        if made is None or made[1] is not kv_caches or made[2] != block_size:
+            plan = self.kernels.DecodeRowsPlan(
+                self.norms,
+                self.raw_weights,
+                self.raw_gemm,
+                self.biases,
+                self.raw_gguf_types,
+                self.raw_gguf_packed,
+                self.raw_gguf_segments,
+                self.gemma_norms,
+                self.qk_norms,
+                self.sandwich_norms,
+                self.activation,
+                kv_caches,
+                self.windows,
+                [self.rope_names.index(name) for name in self.ropes],
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                block_size,
+                self.eps,
+                self.scale,
+            )
+            made = self._rows_plan = (plan, kv_caches, block_size)
+        return made[0]
 
     def _shape(self, meta: AttentionMetadata) -> tuple[int, int, int, int, float, float]:
         """Both entries' last arguments: heads, KV heads, head size, block size, eps, scale."""
