@@ -211,6 +211,15 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
   const Bf16* x_cur = x_in.data_ptr<Bf16>();
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(Bf16));
   PhaseClock clock(phase_seconds ? phase_seconds->data_ptr<double>() : nullptr);
+  // Read once, not once a layer: each data_ptr checks its tensor, over cold caches here.
+  std::vector<const Bf16*> cos_rows, sin_rows;
+  for (int64_t i = 0; i < st.num_ropes; ++i) {
+    cos_rows.push_back(cos[i].data_ptr<Bf16>());
+    sin_rows.push_back(sin[i].data_ptr<Bf16>());
+  }
+  const int64_t* table_ids = block_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t table_width = block_table.size(1);
 
   for (size_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights[l];
@@ -259,8 +268,7 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
         norm(row + q_dim, nullptr, kKNorm, row + q_dim, nullptr, kv_heads, head_dim);
       }
     clock.lap(kPhaseNorms);
-    rotary_bf16(r.qkv, qkv_dim, cos[rope].data_ptr<Bf16>(), sin[rope].data_ptr<Bf16>(), n,
-                heads + kv_heads, head_dim);
+    rotary_bf16(r.qkv, qkv_dim, cos_rows[rope], sin_rows[rope], n, heads + kv_heads, head_dim);
     write_kv_rows(reinterpret_cast<char*>(cache), slot, n, kv_heads, block_size, num_slots, bytes,
                   reinterpret_cast<const char*>(r.qkv + q_dim), qkv_dim * sizeof(Bf16),
                   reinterpret_cast<const char*>(r.qkv + q_dim + kv_heads * head_dim),
@@ -270,8 +278,8 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
     clock.lap(kPhaseRopeKv);
     decode_attention_bf16_rows(tandem::attention::Problem<Bf16>{
         r.q, cache, cache + num_blocks * kv_heads * block_size * head_dim,
-        block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), r.attn, n, heads,
-        kv_heads, head_dim, block_table.size(1), block_size, st.windows[l],
+        table_ids, lens, r.attn, n, heads, kv_heads, head_dim, table_width, block_size,
+        st.windows[l],
         static_cast<float>(scale)});
     clock.lap(kPhaseAttention);
     linear(1, r.attn, r.o, hidden, q_dim);
