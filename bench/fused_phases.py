@@ -35,14 +35,14 @@ class FusedLabel:
 
     def __call__(
         self,
-        x: torch.Tensor,
+        input_ids: torch.Tensor,
         rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if meta.decode_context_lens is not None:
             self.positions += int(meta.decode_context_lens.sum())
-        return self._call(x, rope, kv_caches, meta)
+        return self._call(input_ids, rope, kv_caches, meta)
 
 
 def run_timing_phases(

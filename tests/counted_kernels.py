@@ -37,6 +37,6 @@ class _CountedPlan:
     def __init__(self, plan: object, rows: list[int]) -> None:
         self._plan, self._rows = plan, rows
 
-    def run(self, x: torch.Tensor, *args: object) -> torch.Tensor:
-        self._rows.append(x.shape[0])
-        return self._plan.run(x, *args)  # type: ignore[attr-defined]
+    def run(self, ids: torch.Tensor, *args: object) -> torch.Tensor:
+        self._rows.append(ids.shape[0])
+        return self._plan.run(ids, *args)  # type: ignore[attr-defined]

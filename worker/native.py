@@ -94,11 +94,11 @@ BASE_CFLAGS = [
 
 class DecodeRowsPlan(Protocol):
     """One model's ``decode_rows`` steps (``worker/csrc/kernels.h``): weights, caches and
-    shapes checked once; ``run`` takes a step."""
+    shapes checked once; ``run`` takes a step's token ids to its final norm's rows."""
 
     def run(
         self,
-        x: torch.Tensor,
+        ids: torch.Tensor,
         slots: torch.Tensor,
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
@@ -261,6 +261,9 @@ class NativeKernels(Protocol):
         block_size: int,
         eps: float,
         scale: float,
+        embedding: torch.Tensor,
+        embed_scale: float,
+        final_norm: torch.Tensor,
     ) -> DecodeRowsPlan: ...
 
     def decode_rows_phases(self) -> list[str]: ...

@@ -205,7 +205,6 @@ def call_decode_rows(
     ``rows`` rows; with ``gguf_types``, as if those weights were GGUF blocks; the layer's
     shape flags as given (sandwich and Gemma norms off)."""
     kernels = load_native_kernels()
-    x = torch.zeros(rows, 8, dtype=torch.bfloat16)
     w = torch.zeros(8, 8, dtype=torch.bfloat16)  # o's; gate_up's too (intermediate 4)
     qkv, down = torch.zeros(24, 8, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.bfloat16)
     cache = torch.zeros(2, 1, 1, BLOCK, 8, dtype=torch.bfloat16)
@@ -232,8 +231,11 @@ def call_decode_rows(
         BLOCK,
         1e-6,
         1.0,
+        torch.zeros(4, 8, dtype=torch.bfloat16),  # the embedding of 4 tokens
+        0.0,
+        w[0],
     )
-    plan.run(x, slots, table, lens, [rope], [rope], phase_seconds)
+    plan.run(torch.zeros(rows, dtype=torch.long), slots, table, lens, [rope], [rope], phase_seconds)
 
 
 def test_decode_rows_refuses_more_rows_than_the_gemv_takes() -> None:

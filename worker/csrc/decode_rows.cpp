@@ -152,7 +152,7 @@ int64_t decode_rows_max_rows(bool gemm) {
   return bf16_gemv_rows_on_every_host();
 }
 
-at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
+at::Tensor DecodeRowsPlan::run(const at::Tensor& ids, const at::Tensor& slots,
                                const at::Tensor& block_table, const at::Tensor& context_lens,
                                const std::vector<at::Tensor>& cos,
                                const std::vector<at::Tensor>& sin,
@@ -173,9 +173,9 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
   const std::vector<size_t>& first_segment = st.first_segment;
   const auto& shapes = st.shapes;
   const size_t layers = weights.size();
-  TORCH_CHECK(is_bf16(x_in) && x_in.dim() == 2 && x_in.size(1) == hidden,
-              "decode_rows: x must be contiguous bfloat16 [n, ", hidden, "]");
-  const int64_t n = x_in.size(0);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1,
+              "decode_rows: token ids must be contiguous int64 [n]");
+  const int64_t n = ids.size(0);
   TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(project.gemm)),
               "decode_rows takes 1 to ", decode_rows_max_rows(project.gemm), " rows",
               project.gemm ? " on the GEMM" : " on the GEMV", ", got ", n);
@@ -194,21 +194,36 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of range");
   check_decode_metadata(block_table, context_lens, n, num_blocks, block_size);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < st.vocab, "decode_rows: token id ", id[i], " out of range");
 
-  const int64_t widths[] = {hidden, qkv_dim, q_dim, q_dim, hidden, hidden, 2 * inter, inter, hidden};
+  const int64_t widths[] = {hidden, hidden, hidden, qkv_dim, q_dim, q_dim, hidden, hidden,
+                            2 * inter, inter, hidden};
   int64_t total = 0;
   for (const int64_t w : widths) total += n * w;
-  at::Tensor scratch = at::empty({total}, x_in.options());
+  const at::TensorOptions bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  at::Tensor scratch = at::empty({total}, bf16);
   Bf16* next = scratch.data_ptr<Bf16>();
   Rows r{};
-  Bf16** fields[] = {&r.h, &r.qkv, &r.q, &r.attn, &r.o, &r.residual, &r.gate_up, &r.act, &r.down};
+  Bf16 *embedded = nullptr, *x = nullptr;  // the step's input rows; each layer's output
+  Bf16** fields[] = {&embedded, &x, &r.h, &r.qkv, &r.q, &r.attn, &r.o, &r.residual,
+                     &r.gate_up, &r.act, &r.down};
   for (size_t i = 0; i < std::size(widths); ++i) {
     *fields[i] = next;
     next += n * widths[i];
   }
-  at::Tensor x_out = at::empty({n, hidden}, x_in.options());
-  Bf16* x = x_out.data_ptr<Bf16>();
-  const Bf16* x_cur = x_in.data_ptr<Bf16>();
+  // DecoderLM._embed (one rank), then its embed_scale as a bfloat16 product.
+  const Bf16* table = st.embedding.data_ptr<Bf16>();
+  for (int64_t i = 0; i < n; ++i) {
+    const Bf16* row = table + id[i] * hidden;
+    if (st.embed_scale == 0.0f)
+      std::copy(row, row + hidden, embedded + i * hidden);
+    else
+      for (int64_t j = 0; j < hidden; ++j)
+        embedded[i * hidden + j] = Bf16(static_cast<float>(row[j]) * st.embed_scale);
+  }
+  const Bf16* x_cur = embedded;
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(Bf16));
   PhaseClock clock(phase_seconds ? phase_seconds->data_ptr<double>() : nullptr);
   // Read once, not once a layer: each data_ptr checks its tensor, over cold caches here.
@@ -304,5 +319,10 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& x_in, const at::Tensor& slots,
     clock.lap(kPhaseNorms);
     x_cur = x;
   }
-  return x_out;
+  // The model's final norm, as DecoderLM.forward applies it after the layers.
+  at::Tensor out = at::empty({n, hidden}, bf16);
+  rms_norm_bf16(x_cur, nullptr, st.final_norm.data_ptr<Bf16>(), out.data_ptr<Bf16>(), nullptr, n,
+                hidden, eps, gemma_norms);
+  clock.lap(kPhaseNorms);
+  return out;
 }

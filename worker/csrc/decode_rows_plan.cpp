@@ -21,7 +21,8 @@ DecodeRowsPlan::DecodeRowsPlan(
     bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
     std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
     std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, double eps, double scale) {
+    int64_t block_size, double eps, double scale, at::Tensor embedding, double embed_scale,
+    at::Tensor final_norm) {
   auto state = std::make_shared<State>();
   State& st = *state;
   st.norms = std::move(norms);
@@ -146,6 +147,16 @@ DecodeRowsPlan::DecodeRowsPlan(
                 kv_heads, ", ", block_size, ", ", head_dim, "]");
   }
   st.num_blocks = kv_caches_[0].size(1);
+  TORCH_CHECK(is_bf16(embedding) && embedding.dim() == 2 && embedding.size(1) == hidden,
+              "decode_rows: the embedding must be contiguous bfloat16 [vocab, ", hidden, "]");
+  TORCH_CHECK(is_bf16(final_norm) && final_norm.numel() == hidden,
+              "decode_rows: the final norm's weight must be contiguous bfloat16 [", hidden, "]");
+  st.vocab = embedding.size(0);
+  st.embedding = std::move(embedding);
+  st.final_norm = std::move(final_norm);
+  // DecoderLM.forward: x * tensor(scale, float32).to(bfloat16), a bfloat16 product
+  st.embed_scale = embed_scale == 0.0 ? 0.0f
+                                      : static_cast<float>(Bf16(static_cast<float>(embed_scale)));
   for (const at::Tensor& cache : kv_caches_) st.caches.push_back(cache.data_ptr<Bf16>());
   state_ = std::move(state);
 }

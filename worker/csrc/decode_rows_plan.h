@@ -40,6 +40,9 @@ struct DecodeRowsPlan::State {
   std::vector<size_t> first_segment;  // projection p's segments: [first_segment[p], [p + 1])
   std::vector<LayerWeights> weights;
   std::vector<Bf16*> caches;  // each layer's KV cache
+  at::Tensor embedding, final_norm;  // [vocab, hidden], [hidden]
+  float embed_scale = 0.0f;  // bfloat16-rounded, as the Python path multiplies; 0: none
+  int64_t vocab = 0;
   bool gemm = false;  // bf16_gemm_pack's layout, on bf16_gemm; else the GEMV's plain one
   bool gguf = false, gemma_norms = false, qk_norms = false, sandwich_norms = false;
   Activation act = Activation::kSilu;

@@ -194,10 +194,12 @@ class DecodeRowsPlan {
                  bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
                  std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
                  std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, int64_t block_size, double eps, double scale);
-  // x [n, hidden] through every layer; cos[k], sin[k]: [n, head_dim], RoPE k's for the
-  // step's positions.
-  at::Tensor run(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& block_table,
+                 int64_t head_dim, int64_t block_size, double eps, double scale,
+                 at::Tensor embedding, double embed_scale, at::Tensor final_norm);
+  // Token ids [n] (int64) embedded (times embed_scale where it is not 0), through every
+  // layer and the final norm: the hidden rows [n, hidden] the LM head reads. cos[k],
+  // sin[k]: [n, head_dim], RoPE k's for the step's positions.
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& block_table,
                  const at::Tensor& context_lens, const std::vector<at::Tensor>& cos,
                  const std::vector<at::Tensor>& sin,
                  const std::optional<at::Tensor>& phase_seconds) const;

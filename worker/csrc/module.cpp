@@ -81,9 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::optional<at::Tensor>>, std::vector<int64_t>,
                     std::vector<at::Tensor>, const std::vector<int64_t>&, bool, bool, bool,
                     int64_t, std::vector<at::Tensor>, std::vector<int64_t>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double>())
-      .def("run", &DecodeRowsPlan::run, "a decode step of x's rows through every layer",
-           py::arg("x"), py::arg("slots"), py::arg("block_table"), py::arg("context_lens"),
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double,
+                    at::Tensor, double, at::Tensor>())
+      .def("run", &DecodeRowsPlan::run,
+           "a decode step of these token ids through the embedding, every layer and the "
+           "final norm",
+           py::arg("ids"), py::arg("slots"), py::arg("block_table"), py::arg("context_lens"),
            py::arg("cos"), py::arg("sin"), py::arg("phase_seconds"));
   m.def("decode_rows_phases", &decode_rows_phases,
         "the phases of decode_rows' step, in the order its phase_seconds holds them");

@@ -181,13 +181,14 @@ class DecoderModel(nn.Module):
 
 
 class FusedDecode(Protocol):
-    """Every layer of a decode step in one call (``worker/models/decode_stack.py``)."""
+    """A decode step in one call (``worker/models/decode_stack.py``): the tokens embedded,
+    every layer, the final norm."""
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
 
     def __call__(
         self,
-        x: torch.Tensor,
+        input_ids: torch.Tensor,
         rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
@@ -284,22 +285,28 @@ class DecoderLM(CausalLM):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        dtype = self.model.embed_tokens.weight.dtype
+        rope = {
+            name: emb(positions, dtype, meta.positions_end) for name, emb in self.rotary.items()
+        }
+        fused = self.fused_decode
+        if fused is not None and fused.takes(meta, input_ids.shape[0]):
+            return fused(input_ids, rope, kv_caches, meta)
+        x = self.embed(input_ids)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            cos, sin = rope[self.args.layer_ropes[i]]
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, scaled where the model scales them."""
         x = self._embed(input_ids)
         if self.args.embed_scale is not None:
             # float32 first, then the model dtype: the same rounding as transformers
             x = x * torch.tensor(self.args.embed_scale, dtype=torch.float32, device=x.device).to(
                 x.dtype
             )
-        rope = {
-            name: emb(positions, x.dtype, meta.positions_end) for name, emb in self.rotary.items()
-        }
-        fused = self.fused_decode
-        if fused is not None and fused.takes(meta, x.shape[0]):
-            return self.model.norm(fused(x, rope, kv_caches, meta))
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            cos, sin = rope[self.args.layer_ropes[i]]
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+        return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
