@@ -171,6 +171,10 @@ def test_decode_rows_times_its_phases_without_changing_a_bit(family: str, tmp_pa
 
 
 def test_decode_rows_refuses_phase_seconds_of_another_shape() -> None:
+    if not load_native_kernels().has_bf16_gemv():  # no raw-row kernels: no plan to run
+        with pytest.raises(RuntimeError, match="decode_rows: this build has no GEMV"):
+            call_decode_rows(1, gemm=False)
+        return
     with pytest.raises(RuntimeError, match=r"phase_seconds must be contiguous float64 \[5\]"):
         call_decode_rows(1, gemm=False, phase_seconds=torch.zeros(4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="phase_seconds must be contiguous float64"):
@@ -239,7 +243,12 @@ def call_decode_rows(
 
 
 def test_decode_rows_refuses_more_rows_than_the_gemv_takes() -> None:
-    rows = load_native_kernels().decode_rows_max_rows(False) + 1
+    kernels = load_native_kernels()
+    if not kernels.has_bf16_gemv():  # no raw-row kernels: the plan itself is refused
+        with pytest.raises(RuntimeError, match="decode_rows: this build has no GEMV"):
+            call_decode_rows(1, gemm=False)
+        return
+    rows = kernels.decode_rows_max_rows(False) + 1
     with pytest.raises(
         RuntimeError, match=f"decode_rows takes 1 to {rows - 1} rows on the GEMV, got {rows}"
     ):
