@@ -21,6 +21,18 @@ from common.messages import SamplingParams, TokenLogprobs
 from worker.ops import Ops, TorchOps
 
 
+def _per_row(field: str, dtype: torch.dtype = torch.float32) -> cached_property[torch.Tensor]:
+    """A ``SamplingBatch`` column: each row's ``SamplingParams`` field, as a tensor made
+    when first read."""
+
+    def column(batch: SamplingBatch) -> torch.Tensor:
+        return torch.tensor(
+            [getattr(p, field) for p in batch.params], dtype=dtype, device=batch.device
+        )
+
+    return cached_property(column)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors. The per-row columns are made
@@ -39,40 +51,14 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
     token_bitmask: torch.Tensor | None = None  # structured outputs: [n, vocab / 32] int32
 
-    def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
-
-    @cached_property
-    def temperature(self) -> torch.Tensor:
-        """[n]; 0 = greedy"""
-        return self._column([p.temperature for p in self.params])
-
-    @cached_property
-    def top_k(self) -> torch.Tensor:
-        """[n] long; 0 = off"""
-        return torch.tensor([p.top_k for p in self.params], dtype=torch.long, device=self.device)
-
-    @cached_property
-    def top_p(self) -> torch.Tensor:
-        return self._column([p.top_p for p in self.params])
-
-    @cached_property
-    def min_p(self) -> torch.Tensor:
-        """[n]; 0 = off"""
-        return self._column([p.min_p for p in self.params])
-
-    @cached_property
-    def repetition_penalty(self) -> torch.Tensor:
-        """[n]; 1 = off"""
-        return self._column([p.repetition_penalty for p in self.params])
-
-    @cached_property
-    def presence_penalty(self) -> torch.Tensor:
-        return self._column([p.presence_penalty for p in self.params])
-
-    @cached_property
-    def frequency_penalty(self) -> torch.Tensor:
-        return self._column([p.frequency_penalty for p in self.params])
+    # [n] each, made when first read
+    temperature = _per_row("temperature")  # 0 = greedy
+    top_k = _per_row("top_k", torch.long)  # 0 = off
+    top_p = _per_row("top_p")
+    min_p = _per_row("min_p")  # 0 = off
+    repetition_penalty = _per_row("repetition_penalty")  # 1 = off
+    presence_penalty = _per_row("presence_penalty")
+    frequency_penalty = _per_row("frequency_penalty")
 
     @staticmethod
     def build(
