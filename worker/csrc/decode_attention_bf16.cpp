@@ -93,6 +93,12 @@ struct Run {
 // these the memory idles while the task computes. Measured on a 2-core Zen 5, 30 layers,
 // on and off alternated in one process: 32 sequences of ~96 tokens 0.70x the time, of ~160
 // 0.86x, of ~600 0.96x; one of 3,000 0.87x; a 32-row SmolLM2 step 2% shorter.
+// The lines go to L2 (hint T1), not L1: a task's rows (37 KiB at SmolLM2's 146 tokens)
+// outgrow L1. On a 2-core Zen 4, against none at all, prefetches into L1 saved little
+// (none: 0.98-1.04x the time at 8-32 x 146-600 tokens, 1.09-1.18x at 32 x 60 and one of
+// 3,000); into L2 they take 0.75x the time at 32 x 146 and 32 x 600, 0.73x at one of
+// 3,000, 0.86-0.89x at 8 x 146 and 32 x 60, level at one of 146; a 32-row step 0.95x
+// (docs/benchmarks.md). The Zen 5's figures above were measured with T0.
 class NextRows {
  public:
   void plan(const Problem<Bf16>& p, const TaskSpan& next, int64_t steps) {
@@ -125,7 +131,7 @@ class NextRows {
 
     void issue() {
       for (int64_t n = 0; n < per_step_ && run_ < end_; ++n) {
-        _mm_prefetch(line_, _MM_HINT_T0);
+        _mm_prefetch(line_, _MM_HINT_T1);
         line_ += 64;
         if (line_ >= run_->last && ++run_ < end_) line_ = run_->first;
       }
