@@ -250,10 +250,12 @@ void group_rows(const uint8_t* group, const uint32_t* x, int64_t rows, int64_t p
   const int64_t base = rows / tiles, longer = rows % tiles;  // the first `longer` get one more
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = group + b * block_bytes<F>();
-    // The stream's hardware prefetch fell behind the widening: ask kPrefetchBlocks ahead.
+    // The stream's hardware prefetch fell behind the widening: ask kPrefetchBlocks ahead,
+    // into L2 (T1). On a 2-core Zen 4, SmolLM2's Q4_1 decode step against T0 (into L1),
+    // alternated in one process: 4 rows 0.93x the time, 8 rows 0.94x, 16 and 32 level.
     for (int64_t line = 0; line < block_bytes<F>(); line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBlocks * block_bytes<F>() + line,
-                   _MM_HINT_T0);
+                   _MM_HINT_T1);
     for (int64_t v = 0; v < 2 * kPairs; ++v) w[v] = widen<F>(block + v * vector_bytes<F>());
     const auto* scales = reinterpret_cast<const float*>(block + quant_bytes<F>());
     for (int64_t t = 0, r = 0; t < tiles; r += base + (t < longer), ++t)
