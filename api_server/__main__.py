@@ -33,6 +33,7 @@ from common.process import (
     PARENT_DIED,
     die_with_parent,
     exit_without_teardown,
+    freeze_startup_heap,
     record_exit_reason,
 )
 
@@ -172,6 +173,7 @@ async def serve(config: TandemConfig) -> int:
         service,
         config.server.shutdown_timeout_s,
     )
+    freeze_startup_heap()
     try:
         await server.serve(sockets=[listen_socket(config.server.host, config.server.port)])
     except OSError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -57,6 +58,18 @@ def release_free_memory() -> None:
     idle gives the pages back. A no-op off glibc."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now into the collector's permanent
+    generation, which no later collection scans. Call it when a process has started and
+    before it serves. Startup leaves hundreds of thousands of objects that live as long as
+    the process (imported modules, the tokenizer, the model's Python side, the KV
+    manager's blocks), and every full collection walked them all: in a served 32-client
+    run the API server's took 76 ms, and every stream's next token waited for it
+    (docs/benchmarks.md). After this a full collection walks only what serving made."""
+    gc.collect()
+    gc.freeze()
 
 
 def dies_with_this_process(env: dict[str, str] | None = None) -> dict[str, str]:

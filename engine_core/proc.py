@@ -40,6 +40,7 @@ from common.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
+from common.process import freeze_startup_heap
 from common.shm import ServiceLock, new_service_id, remove_stale
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerDied, WorkerPool
@@ -119,6 +120,7 @@ class EngineCoreProc:
     def run(self) -> None:
         """Serve until ``stop()``, or drained. Raises ``WorkerDied`` when a worker dies."""
         self.core.start()
+        freeze_startup_heap()
         self._publish()
         managers = {s.name: s.scheduler.kv.num_blocks for s in self.core.slots.values()}
         logger.info("engine ready (%s): KV blocks per pool %s", self._role(), managers)

@@ -39,7 +39,7 @@ from common.messages import (
     WorkerReady,
 )
 from common.model_files import gguf_source, resolve_model_dir
-from common.process import die_with_parent, release_free_memory
+from common.process import die_with_parent, freeze_startup_heap, release_free_memory
 from worker.engine_link import EngineLink, enable_heartbeats
 from worker.thread_governor import ThreadGovernor
 
@@ -213,6 +213,7 @@ def run_worker(
         # The load's read buffers and the float projections that packing or GGUF blocks
         # replaced are free but still mapped: return them before the first step.
         release_free_memory()
+        freeze_startup_heap()
         receiver = runner.kv_receiver
         ready = WorkerReady(
             rank,
