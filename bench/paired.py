@@ -65,17 +65,25 @@ def round_order(index: int) -> tuple[str, str]:
 
 
 def paired_summary(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Per side the median of its rounds' tok/s and ITL p50; per round the ratio
-    head / base of tok/s (above 1: this checkout is faster) and of ITL p50 (below 1)."""
+    """Per side the median of its rounds' tok/s, ITL p50 and ITL p99 (a stall every
+    stream sees once, as a long pause of one process, shows in the p99 alone); per round
+    the ratio head / base of tok/s (above 1: this checkout is faster) and of the ITL
+    percentiles (below 1)."""
     tok_s = [r["head"]["output_tok_s"] / r["base"]["output_tok_s"] for r in rounds]
-    itl = [r["head"]["itl_s"]["p50"] / r["base"]["itl_s"]["p50"] for r in rounds]
+
+    def itl_ratios(q: str) -> list[float]:
+        return [r["head"]["itl_s"][q] / r["base"]["itl_s"][q] for r in rounds]
+
+    def itl_medians(q: str) -> dict[str, float]:
+        return {s: statistics.median(r[s]["itl_s"][q] for r in rounds) for s in SIDES}
+
     return {
         "median_tok_s": {s: statistics.median(r[s]["output_tok_s"] for r in rounds) for s in SIDES},
-        "median_itl_p50_s": {
-            s: statistics.median(r[s]["itl_s"]["p50"] for r in rounds) for s in SIDES
-        },
+        "median_itl_p50_s": itl_medians("p50"),
+        "median_itl_p99_s": itl_medians("p99"),
         "tok_s_ratios": tok_s,
-        "itl_p50_ratios": itl,
+        "itl_p50_ratios": itl_ratios("p50"),
+        "itl_p99_ratios": itl_ratios("p99"),
         "head_faster_rounds": sum(x > 1 for x in tok_s),
     }
 
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 measured[side] = summarize(results, wall, Slo())
             rounds.append(measured)
             print_table(
-                ("round", "side", "tok/s", "ITL p50 ms", "ITL p95 ms", "errors"),
+                ("round", "side", "tok/s", "ITL p50 ms", "ITL p95 ms", "ITL p99 ms", "errors"),
                 [
                     (
                         i,
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{m['output_tok_s']:.1f}",
                         f"{1e3 * m['itl_s']['p50']:.1f}",
                         f"{1e3 * m['itl_s']['p95']:.1f}",
+                        f"{1e3 * m['itl_s']['p99']:.1f}",
                         m["errors"],
                     )
                     for s, m in measured.items()
@@ -130,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\nhead / base tok/s per round: {', '.join(f'{x:.3f}' for x in summary['tok_s_ratios'])}"
         f" (head faster in {summary['head_faster_rounds']} of {len(rounds)}); medians "
-        f"{summary['median_tok_s']['base']:.1f} -> {summary['median_tok_s']['head']:.1f} tok/s"
+        f"{summary['median_tok_s']['base']:.1f} -> {summary['median_tok_s']['head']:.1f} tok/s, "
+        f"ITL p99 {1e3 * summary['median_itl_p99_s']['base']:.1f} -> "
+        f"{1e3 * summary['median_itl_p99_s']['head']:.1f} ms"
     )
     name = args.name or f"paired-{args.workload}-c{args.concurrency}"
     print(host_line(host["before"], host["after"]))

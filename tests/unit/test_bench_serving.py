@@ -143,13 +143,13 @@ def test_paired_rounds_alternate_and_ratios_are_head_over_base() -> None:
         ("head", "base"),
     ]
 
-    def side(tok_s: float, itl_p50: float) -> dict[str, Any]:
-        return {"output_tok_s": tok_s, "itl_s": {"p50": itl_p50}}
+    def side(tok_s: float, itl_p50: float, itl_p99: float) -> dict[str, Any]:
+        return {"output_tok_s": tok_s, "itl_s": {"p50": itl_p50, "p99": itl_p99}}
 
     rounds = [
-        {"base": side(100.0, 0.020), "head": side(120.0, 0.016)},
-        {"base": side(80.0, 0.025), "head": side(100.0, 0.020)},
-        {"base": side(110.0, 0.018), "head": side(99.0, 0.020)},
+        {"base": side(100.0, 0.020, 0.090), "head": side(120.0, 0.016, 0.045)},
+        {"base": side(80.0, 0.025, 0.080), "head": side(100.0, 0.020, 0.040)},
+        {"base": side(110.0, 0.018, 0.050), "head": side(99.0, 0.020, 0.060)},
     ]
     summary = paired_summary(rounds)
     assert summary["tok_s_ratios"] == pytest.approx([1.2, 1.25, 0.9])
@@ -157,3 +157,5 @@ def test_paired_rounds_alternate_and_ratios_are_head_over_base() -> None:
     assert summary["head_faster_rounds"] == 2
     assert summary["median_tok_s"] == {"base": 100.0, "head": 100.0}
     assert summary["median_itl_p50_s"] == pytest.approx({"base": 0.020, "head": 0.020})
+    assert summary["itl_p99_ratios"] == pytest.approx([0.5, 0.5, 1.2])
+    assert summary["median_itl_p99_s"] == pytest.approx({"base": 0.080, "head": 0.045})
