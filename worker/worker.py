@@ -211,9 +211,10 @@ def run_worker(
     try:
         runner = _build_runner(config, pool, rank, tp_init_address, ctx, keys)
         # The load's read buffers and the float projections that packing or GGUF blocks
-        # replaced are free but still mapped: return them before the first step.
-        release_free_memory()
+        # replaced are free but still mapped: return them before the first step, after
+        # the freeze's collection has freed what only it could.
         freeze_startup_heap()
+        release_free_memory()
         receiver = runner.kv_receiver
         ready = WorkerReady(
             rank,
