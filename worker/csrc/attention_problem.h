@@ -40,8 +40,10 @@ struct Problem {
 
 #if defined(__AVX512F__)
 // sums[i] := the sum of v[i]'s 16 lanes, for i < 16: three rounds of pairwise
-// shuffles and adds instead of sixteen horizontal reductions.
-inline __m512 transpose_sum(const __m512 v[16]) {
+// shuffles and adds instead of sixteen horizontal reductions. Always inlined: GCC kept it
+// a call, which stored the caller's 16 tile sums to the stack and read them back, ~15% of
+// the bfloat16 kernel's time on rows in cache (docs/benchmarks.md); the bits are the same.
+__attribute__((always_inline)) inline __m512 transpose_sum(const __m512 v[16]) {
   __m512 a[8], b[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: (v2i: 0+2, v2i+1: 0+2, v2i: 1+3, v2i+1: 1+3)
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
