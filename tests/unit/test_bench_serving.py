@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from bench.peers.transformers_peer import sequential_results
-from bench.serving import interleaved_order, yardstick
+from bench.serving import interleaved_order
+from bench.serving_report import yardstick
 from bench.stats import RequestResult, Slo, chunk_text, meets, parse_sse_line, summarize
 from bench.workloads import make_requests
 
