@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.config_checks import is_private_address, require
+from common.pool_config import DisaggConfig
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -23,11 +26,6 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
 # none: weights as the model's dtype; gguf: projections kept in the GGUF's blocks.
 Quantization = Literal["none", "gguf"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -47,29 +45,29 @@ class ModelConfig:
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(bool(self.model), "--model must not be empty")
-        _require(
+        require(bool(self.model), "--model must not be empty")
+        require(
             self.chat_template is None or os.path.isfile(self.chat_template),
             f"--chat-template {self.chat_template!r} is not a file",
         )
-        _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
-        _require(
+        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
+        require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}",
         )
-        _require(
+        require(
             self.quantization in QUANTIZATIONS,
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
         )
-        _require(
+        require(
             self.quantization != "gguf" or self.attention_backend != "torch",
             "--quantization gguf runs on the native CPU kernels, not --attention-backend torch",
         )
-        _require(
+        require(
             self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
             f"--generation-config must be auto, vllm or a directory, got {self.generation_config!r}",
         )
-        _require(
+        require(
             self.max_model_len is None or self.max_model_len > 0,
             f"--max-model-len must be positive, got {self.max_model_len}",
         )
@@ -84,12 +82,12 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests, benchmarks)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             1 <= self.block_size <= 1024,
             f"--block-size must be in [1, 1024], got {self.block_size}",
         )
-        _require(self.kv_cache_gb > 0, f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
-        _require(
+        require(self.kv_cache_gb > 0, f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        require(
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}",
         )
@@ -132,30 +130,30 @@ class SchedulerConfig:
         return 2 if self.async_scheduling else 1
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.long_prefill_token_threshold >= 0,
             f"--long-prefill-token-threshold must not be negative, got {self.long_prefill_token_threshold}",
         )
-        _require(
+        require(
             self.scheduling_policy in ("fcfs", "priority"),
             "--scheduling-policy must be fcfs or priority",
         )
-        _require(
+        require(
             self.priority_aging_s > 0,
             f"--priority-aging-s must be positive, got {self.priority_aging_s}",
         )
-        _require(
+        require(
             self.batching in ("continuous", "static"), "--batching must be continuous or static"
         )
-        _require(self.batch_wait_timeout_s >= 0, "--batch-wait-timeout-s must not be negative")
-        _require(
+        require(self.batch_wait_timeout_s >= 0, "--batch-wait-timeout-s must not be negative")
+        require(
             self.max_waiting_requests >= 1,
             f"--max-waiting-requests must be at least 1, got {self.max_waiting_requests}",
         )
-        _require(
+        require(
             self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"
         )
-        _require(
+        require(
             self.max_num_batched_tokens >= 1,
             f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}",
         )
@@ -184,38 +182,38 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
-        _require(
+        require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        require(
             self.max_body_bytes >= 1024,
             f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}",
         )
-        _require(
+        require(
             all(k and "," not in k for k in self.api_keys),
             "API keys must be non-empty and contain no comma",
         )
-        _require(
+        require(
             self.rate_limit_rpm >= 0 and self.rate_limit_tpm >= 0,
             "--rate-limit-rpm and --rate-limit-tpm must not be negative",
         )
-        _require(self.max_n >= 1, f"--max-n must be at least 1, got {self.max_n}")
-        _require(
+        require(self.max_n >= 1, f"--max-n must be at least 1, got {self.max_n}")
+        require(
             self.api_server_count >= 1,
             f"--api-server-count must be at least 1, got {self.api_server_count}",
         )
-        _require(self.grace_period_s >= 0, "--grace-period-s must not be negative")
-        _require(
+        require(self.grace_period_s >= 0, "--grace-period-s must not be negative")
+        require(
             self.request_read_timeout_s > 0,
             f"--request-read-timeout-s must be positive, got {self.request_read_timeout_s}",
         )
-        _require(
+        require(
             self.shutdown_timeout_s >= 0,
             f"--shutdown-timeout must not be negative, got {self.shutdown_timeout_s}",
         )
-        _require(
+        require(
             all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
             "--allowed-origins takes origins like https://example.com (or *)",
         )
-        _require(
+        require(
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
         )
@@ -242,158 +240,24 @@ class EngineAddresses:
 
     def __post_init__(self) -> None:
         for name, address in (("input", self.input_address), ("output", self.output_address)):
-            _require(
+            require(
                 address == "" or address.startswith(("ipc://", "tcp://")),
                 f"--{name}-address must start with ipc:// or tcp://, got {address!r}",
             )
-            _require(
+            require(
                 is_private_address(address) or self.expose_engine,
                 f"--{name}-address {address} listens beyond 127.0.0.1; pass --expose-engine "
                 "(with --curve-keys) to mean it",
             )
-        _require(
+        require(
             not self.expose_engine or self.curve_keys is not None,
             "--expose-engine needs --curve-keys DIR (CurveZMQ keys made by `tandem keys DIR`): "
             "the engine's sockets are never open unencrypted beyond this host",
         )
-        _require(
+        require(
             self.curve_keys is None or os.path.isdir(self.curve_keys),
             f"--curve-keys {self.curve_keys!r} is not a directory (make one with `tandem keys DIR`)",
         )
-
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-
-
-def is_private_address(address: str) -> bool:
-    """``ipc://`` (a file only this user can open), or ``tcp://`` on 127.0.0.1."""
-    if not address.startswith("tcp://"):
-        return True
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
-    return host in LOOPBACK_HOSTS
-
-
-KVTransfer = Literal["shm", "tcp"]
-KVLoadFailurePolicy = Literal["fail", "recompute"]
-
-
-@dataclass(frozen=True)
-class DisaggConfig:
-    """Worker pools: one unified pool (both counts 0), or a prefill and a decode pool that
-    step apart and hand each request's KV over (``docs/disaggregation.md``)."""
-
-    prefill_workers: int = 0
-    decode_workers: int = 0
-    kv_transfer: KVTransfer = "shm"  # one host, zero-copy; tcp: across hosts
-    kv_transfer_lease_s: float = 30.0  # tcp: a hand-off not landed by then expires
-    kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # or recompute in the decode pool
-    # Prompts whose uncached part is shorter are prefilled in the decode pool (tcp; with
-    # shm only while the prefill pool is busy). 0 = always hand off.
-    disagg_min_prompt_tokens: int = 32
-    tensor_parallel_size: int = 1  # ranks of the unified pool, each holding a shard
-    prefill_tp: int = 1  # ranks of the prefill pool (split pools)
-    decode_tp: int = 1  # ranks of the decode pool; may differ: the hand-off re-shards
-    worker_threads: int | None = None  # per worker process; None: cores / worker processes
-    # One core fewer while another process keeps the worker's threads waiting for theirs
-    # (worker/thread_governor.py); off: always worker_threads.
-    adaptive_worker_threads: bool = True
-    # The engine binds these for its pools; a worker by its own command connects to one.
-    external_workers: bool = False  # the engine waits for workers started apart
-    unified_pool_address: str = ""
-    prefill_pool_address: str = ""
-    decode_pool_address: str = ""
-    # A decode worker takes KV over TCP here (port 0: any free one), and tells the engine
-    # to reach it at kv_transfer_host (the bind host when empty).
-    kv_transfer_address: str = "tcp://127.0.0.1:0"
-    kv_transfer_host: str = ""
-    service_id: str = ""  # names the service's shared-memory segments; random when empty
-
-    def __post_init__(self) -> None:
-        _require(
-            self.prefill_workers >= 0 and self.decode_workers >= 0,
-            "--prefill-workers and --decode-workers must not be negative",
-        )
-        _require(
-            (self.prefill_workers == 0) == (self.decode_workers == 0),
-            "split pools need both --prefill-workers and --decode-workers (at least 1 each); "
-            "leave both out for one unified pool",
-        )
-        _require(self.kv_transfer in ("shm", "tcp"), "--kv-transfer must be shm or tcp")
-        _require(
-            self.kv_load_failure_policy in ("fail", "recompute"),
-            "--kv-load-failure-policy must be fail or recompute",
-        )
-        _require(self.kv_transfer_lease_s > 0, "--kv-transfer-lease-s must be positive")
-        _require(
-            self.disagg_min_prompt_tokens >= 0, "--disagg-min-prompt-tokens must not be negative"
-        )
-        _require(
-            self.tensor_parallel_size >= 1,
-            f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}",
-        )
-        _require(
-            self.tensor_parallel_size == 1 or not self.split,
-            "--tensor-parallel-size applies to a unified pool; give split pools "
-            "--prefill-tp and --decode-tp",
-        )
-        for pool, tp, workers in (
-            ("prefill", self.prefill_tp, self.prefill_workers),
-            ("decode", self.decode_tp, self.decode_workers),
-        ):
-            _require(tp >= 1, f"--{pool}-tp must be at least 1, got {tp}")
-            _require(tp == 1 or self.split, f"--{pool}-tp needs split pools (--{pool}-workers 1)")
-            _require(
-                tp == 1 or workers == 1,
-                f"--{pool}-tp {tp} makes one pool of {tp} ranks: give --{pool}-workers 1",
-            )
-        _require(
-            self.worker_threads is None or self.worker_threads >= 1,
-            f"--worker-threads must be at least 1, got {self.worker_threads}",
-        )
-        _require(
-            self.kv_transfer_address.startswith("tcp://"),
-            "--kv-transfer-address must be tcp://HOST:PORT",
-        )
-        _require(
-            all(c.isalnum() or c in "-_" for c in self.service_id),
-            "--service-id may hold only letters, digits, - and _",
-        )
-
-    @property
-    def split(self) -> bool:
-        return self.prefill_workers > 0
-
-    def tp_size(self, pool: str) -> int:
-        """Tensor-parallel ranks of one pool (1: its workers each hold the whole model)."""
-        return {
-            "unified": self.tensor_parallel_size,
-            "prefill": self.prefill_tp,
-            "decode": self.decode_tp,
-        }[pool]
-
-    @property
-    def reshards(self) -> bool:
-        """Split pools of different widths: each lays its KV heads out by its own ranks,
-        so the hand-off copies and re-shards (even with ``shm``)."""
-        return self.split and self.prefill_tp != self.decode_tp
-
-    def num_workers(self, pool: str) -> int:
-        """Worker processes of one pool: its ranks, or (TP 1) its workers."""
-        if self.tp_size(pool) > 1:
-            return self.tp_size(pool)
-        return {"unified": 1, "prefill": self.prefill_workers, "decode": self.decode_workers}[pool]
-
-    def pools(self) -> tuple[str, ...]:
-        return ("prefill", "decode") if self.split else ("unified",)
-
-    def threads_per_worker(self) -> int:
-        """``--worker-threads``, else this machine's cores shared by the worker processes
-        (split pools and tensor-parallel ranks divide them). One flag for every worker: a
-        worker started by its own command (a container) takes its own."""
-        if self.worker_threads is not None:
-            return self.worker_threads
-        workers = sum(self.num_workers(p) for p in self.pools())  # per rank: cores / ranks
-        return max(1, (os.cpu_count() or 1) // workers)
 
 
 @dataclass(frozen=True)
@@ -415,7 +279,7 @@ class TandemConfig:
             ("--decode-pool-address", d.decode_pool_address),
             ("--kv-transfer-address", d.kv_transfer_address),
         ):
-            _require(
+            require(
                 is_private_address(address) or self.addresses.expose_engine,
                 f"{flag} {address} listens beyond 127.0.0.1; pass --expose-engine "
                 "(with --curve-keys) to mean it",

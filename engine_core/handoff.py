@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.config import KVLoadFailurePolicy
 from common.messages import (
     KV_TRANSFER_BUCKETS_S,
     ErrorKind,
@@ -39,6 +38,7 @@ from common.messages import (
     ModelRunnerOutput,
     RequestOutput,
 )
+from common.pool_config import KVLoadFailurePolicy
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import ClientOutputs, Scheduler

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from common.config import KVLoadFailurePolicy
 from common.messages import KVReceive, ModelRunnerOutput
+from common.pool_config import KVLoadFailurePolicy
 from engine_core.handoff import ClientOutputs, Orders, TcpHandoff, Transfer
 from engine_core.kv_cache import KVCacheManager
 from engine_core.scheduler import Scheduler

@@ -14,7 +14,7 @@ Every such choice is counted (``kv_transfers_total{outcome="local_prefill"}``).
 
 from __future__ import annotations
 
-from common.config import DisaggConfig
+from common.pool_config import DisaggConfig
 from engine_core.kv_cache import extend_block_hashes
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler

@@ -13,9 +13,10 @@ from typing import Any
 
 import zmq
 
-from common.config import DisaggConfig, TandemConfig
+from common.config import TandemConfig
 from common.curve import CurveKeys
 from common.messages import PoolRole
+from common.pool_config import DisaggConfig
 from common.shm import segment_name
 from worker.kv_reshard import KVLayout, KVPuller, prefill_segment, shared_segment
 from worker.kv_transfer import KVReceiver, KVSender, Reshard

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConfig
+from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.messages import (
     EngineRequest,
     FinishReason,
@@ -21,6 +21,7 @@ from common.messages import (
     RequestOutput,
     SamplingParams,
 )
+from common.pool_config import DisaggConfig
 from engine_core.core import EngineCore
 from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool, token_for

@@ -9,8 +9,9 @@ from collections import Counter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConfig
+from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.messages import EngineRequest, PoolRole, RequestOutput, SamplingParams
+from common.pool_config import DisaggConfig
 from engine_core.core import EngineCore
 from engine_core.kv_cache import KVCacheManager
 from tests.unit.clock import ManualClock

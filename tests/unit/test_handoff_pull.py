@@ -5,8 +5,9 @@ a decode step may be reading them frees them only once that step is over."""
 
 from __future__ import annotations
 
-from common.config import CacheConfig, DisaggConfig, SchedulerConfig, TandemConfig
+from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.messages import FinishReason, KVReceive, KVTransferResult, PoolRole
+from common.pool_config import DisaggConfig
 from engine_core.core import EngineCore
 from engine_core.handoff_pull import ShmCopyHandoff
 from tests.unit.clock import ManualClock

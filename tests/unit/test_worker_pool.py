@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.config import DisaggConfig, TandemConfig
+from common.config import TandemConfig
 from common.ipc import Codec
 from common.messages import PoolRole, WorkerFailed, WorkerMessage
+from common.pool_config import DisaggConfig
 from engine_core.executor import PEER_DEATH_GRACE_S, WorkerDied, WorkerPool
 
 
