@@ -3,14 +3,15 @@
 Served, the worker shares the host's cores with the API server, the engine core and the
 clients, which wake once or more a step. This runs the real ``EngineCore`` and
 ``ModelRunner`` in process (``bench.step_profile``'s inline pool: no sockets), every step
-``--batch`` rows, alone and then beside a competitor process that burns ``--share`` of
-one core in bursts of each ``--bursts-ms`` length (sleeping between them): each
-measurement beside it right after one alone, so that the host's drift falls on both,
-and the ratio of the pair kept; rounds alternated. Each line gives the step's mean time, the competitor's measured CPU, and
-the *amplification*: the step's extra time over what the competitor's CPU would cost if
-the worker's threads shared the loss evenly (its CPU a step / the worker's threads). 1
-is that even share; 2 is every core the competitor takes stopping all the worker's
-threads, as a fork-join region does while one of its threads has lost its core.
+``--batch`` rows, beside a competitor process that burns ``--share`` of one core in
+bursts of each ``--bursts-ms`` length (sleeping between them). Each measurement beside it
+comes right after one alone, so that the host's drift falls on both, and the pair's
+ratio is kept; rounds alternate. Each line gives the step's mean time alone and beside,
+the competitor's measured CPU, and the *amplification*: the step's extra time over what
+the competitor's CPU would cost if the worker's threads shared the loss evenly (its CPU a
+step / the worker's threads). 1 is that even share; 2 is every core the competitor takes
+stopping all the worker's threads, as a fork-join region does while one of its threads
+has lost its core.
 
     .venv/bin/python -m bench.contention [--batch 32] [--share 0.075] [--bursts-ms 3 0.3 0.05]
 """
