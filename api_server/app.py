@@ -87,6 +87,7 @@ def stats_body(s: SchedulerStats) -> dict[str, Any]:
             if s.prefix_cache_queries_total
             else 0.0
         ),
+        "worker_threads": s.num_worker_threads,
     }
 
 

@@ -84,6 +84,11 @@ class _EngineCollector(Collector):
                     s.num_kv_blocks_in_use / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
                 ),
             ),
+            "worker_threads": (
+                "CPU threads the workers ran their latest steps on, summed (the adaptive "
+                "thread governor gives cores up while other processes hold them).",
+                lambda s: s.num_worker_threads,
+            ),
         }
         for name, (doc, value_of) in families.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)

@@ -108,6 +108,10 @@ class InlinePool:
         self.last_output: ModelRunnerOutput | None = None  # kept: the IPC and API parts
         self.runner_s = 0.0  # time spent in the runner during the last submit
 
+    @property
+    def num_threads(self) -> int:
+        return torch.get_num_threads()  # the runner steps on this process's threads
+
     def wait_ready(self) -> WorkerReady:
         r = self.runner
         return WorkerReady(

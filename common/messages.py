@@ -193,6 +193,10 @@ class SchedulerStats(_Wire):
     # for a frame over the size limit (or lost by a peer that went away).
     num_malformed_frames_total: int = 0
     num_dropped_connections_total: int = 0
+    # CPU threads the pool's workers ran their latest steps on, summed over workers (the
+    # thread governor lowers a worker's while other processes hold its cores); 0 before
+    # any step.
+    num_worker_threads: int = 0
 
 
 ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -377,6 +381,7 @@ class ModelRunnerOutput(_Wire, tag=True):
     logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids, when any asked
     kv_copied: list[str] = []  # transfers whose blocks were copied out: free to reuse
     kv_results: list[KVTransferResult] = []
+    num_threads: int = 0  # the CPU threads this worker ran the step on (0: not said)
 
 
 class KVTransferStatus(_Wire, tag=True):

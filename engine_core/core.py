@@ -58,6 +58,11 @@ class Pool(Protocol):
     @property
     def busy(self) -> bool: ...
 
+    @property
+    def num_threads(self) -> int:
+        """CPU threads its workers ran their latest steps on, summed."""
+        ...
+
     def wait_ready(self) -> WorkerReady: ...
 
     def submit(self, step: SchedulerOutput) -> None: ...
@@ -317,7 +322,11 @@ class EngineCore:
     # ------------------------------------------------------------------ figures
 
     def pool_stats(self) -> dict[str, SchedulerStats]:
-        return {name: slot.scheduler.stats() for name, slot in self.slots.items()}
+        stats = {}
+        for name, slot in self.slots.items():
+            stats[name] = slot.scheduler.stats()
+            stats[name].num_worker_threads = slot.pool.num_threads
+        return stats
 
     def stats(self) -> SchedulerStats:
         """Totals over the pools; a KV manager shared by both counts once."""
@@ -337,6 +346,7 @@ class EngineCore:
             "num_preemptions_total",
             "num_prompt_tokens_total",
             "iteration_tokens_sum",
+            "num_worker_threads",
         ):
             setattr(total, name, sum(getattr(s, name) for s in stats))
         total.iteration_tokens_buckets = [

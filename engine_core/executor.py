@@ -113,6 +113,7 @@ class WorkerPool:
             config.disagg.tp_size(self.name) > 1 and not config.scheduler.async_scheduling
         )
         self.kv_addresses: list[str] = []  # per rank, where a decode worker takes KV (tcp)
+        self._threads: dict[bytes, int] = {}  # per rank, the CPU threads of its latest step
         self._last_sampled: dict[str, int] = {}
         if self._external:
             logger.info(
@@ -146,6 +147,11 @@ class WorkerPool:
     @property
     def busy(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def num_threads(self) -> int:
+        """CPU threads the pool's workers ran their latest steps on, summed over ranks."""
+        return sum(self._threads.values())
 
     def wait_ready(self) -> WorkerReady:
         """Block until every worker has loaded and warmed up; returns the handshake of
@@ -193,6 +199,8 @@ class WorkerPool:
                 if answers is None:
                     raise WorkerDied(f"{self._who(identity)} answered a step it was not given")
                 answers[identity] = message
+                if message.num_threads:
+                    self._threads[identity] = message.num_threads
             elif isinstance(message, KVTransferStatus):
                 events.transfers += message.results
             elif not isinstance(message, WorkerHeartbeat):

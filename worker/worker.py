@@ -237,6 +237,7 @@ def run_worker(
             notify.connect(NOTIFY_ADDRESS)
             poller.register(notify, zmq.POLLIN)
         governor = _thread_governor(config)
+        fixed_threads = config.disagg.threads_per_worker()
         fault_step = _fault_step()
         num_steps = 0
         trimmed = True
@@ -273,7 +274,10 @@ def run_worker(
             if num_steps == fault_step:
                 raise InjectedFault(f"fault injected on step {num_steps} ({FAULT_INJECTION_ENV})")
             started = time.perf_counter()
-            sock.send(codec.encode(runner.execute(message)))
+            output = runner.execute(message)
+            # What this step ran on; the governor may change it for the next one.
+            output.num_threads = governor.threads if governor is not None else fixed_threads
+            sock.send(codec.encode(output))
             if governor is not None:  # after the send: its /proc reads never delay a step
                 governor.step_done(time.perf_counter() - started)
     except Exception as e:

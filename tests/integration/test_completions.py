@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -174,6 +175,8 @@ def test_stats_return_to_zero_after_finishes_and_disconnects(server: TandemStack
     stats = wait_idle(server.url)
     assert stats["cache_usage"] == 0.0
     assert stats["num_kv_blocks_total"] > 0
+    # What the worker's steps ran on: its cores, or fewer where the governor gave some up.
+    assert 1 <= stats["worker_threads"] <= (os.cpu_count() or 1)
 
 
 def test_tokenize_and_detokenize_round_trip(server: TandemStack) -> None:

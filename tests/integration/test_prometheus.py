@@ -4,6 +4,7 @@ names this scrape saw."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -139,6 +140,9 @@ def test_prometheus_sees_the_traffic(scraped: Scraped) -> None:
     completions = 'http_requests_total{handler="/v1/completions",status="200"}'
     assert wait_for(prometheus, completions, 3) == 3
     assert wait_for(prometheus, f"tandem:num_requests_running{model}", 0) == 0
+    # The worker's cores, or fewer where its thread governor gave some up.
+    threads = query(prometheus, f"tandem:worker_threads{model}")
+    assert threads is not None and 1 <= threads <= (os.cpu_count() or 1)
 
 
 def metric_names_seen(prometheus: str) -> set[str]:
@@ -173,5 +177,6 @@ def test_dashboard_uses_only_scraped_metric_names(scraped: Scraped) -> None:
         "per pool",
         "hand-off",
         "api-server process",
+        "worker cpu threads",
     ):
         assert topic in titles

@@ -82,6 +82,18 @@ def test_operators_see_both_pools_and_the_hand_offs(smollm2_dir: Path, kv_transf
         assert stats["kv_transfers"]["outcomes"]["done"] >= 1
         running = metric_lines(stack.url, "num_requests_running")
         assert {line.split('pool="')[1].split('"')[0] for line in running} == {"prefill", "decode"}
+        # Two workers on this host's cores: one thread each (no governor below two).
+        assert {name: pool["worker_threads"] for name, pool in stats["pools"].items()} == {
+            "prefill": 1,
+            "decode": 1,
+        }
+        assert stats["worker_threads"] == 2
+        threads = metric_lines(stack.url, "worker_threads")
+        assert sorted(line.split('pool="')[1].split('"')[0] for line in threads) == [
+            "decode",
+            "prefill",
+        ]
+        assert all(line.endswith(" 1.0") for line in threads), threads
         done = next(
             line
             for line in metric_lines(stack.url, "kv_transfers_total")

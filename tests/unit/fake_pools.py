@@ -49,6 +49,7 @@ class FakePool:
     _computed: dict[str, int] = field(default_factory=dict)
     _landing: dict[str, int] = field(default_factory=dict)  # transfer id -> polls left
     dead: str | None = None
+    num_threads: int = 0  # what its workers' latest steps ran on
 
     @property
     def busy(self) -> bool:

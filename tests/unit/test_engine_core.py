@@ -170,6 +170,18 @@ def test_pools_step_independently(async_scheduling: bool) -> None:
     assert_all_free(core)
 
 
+def test_stats_carry_each_pools_worker_threads_and_their_total() -> None:
+    core, prefill, decode, _ = make("shm")
+    assert core.stats().num_worker_threads == 0  # no step has said yet
+    prefill.num_threads, decode.num_threads = 1, 3
+    per_pool = core.pool_stats()
+    assert {name: s.num_worker_threads for name, s in per_pool.items()} == {
+        "prefill": 1,
+        "decode": 3,
+    }
+    assert core.stats().num_worker_threads == 4
+
+
 # ---------------------------------------------------------------- shm: block ids move
 
 

@@ -17,7 +17,14 @@ import zmq
 
 from common.config import TandemConfig
 from common.ipc import Codec
-from common.messages import PoolRole, WorkerFailed, WorkerMessage
+from common.messages import (
+    ModelRunnerOutput,
+    PoolRole,
+    SchedulerOutput,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerMessage,
+)
 from common.pool_config import DisaggConfig
 from engine_core.executor import PEER_DEATH_GRACE_S, WorkerDied, WorkerPool
 
@@ -103,3 +110,45 @@ def test_a_worker_still_running_after_its_shutdown_is_killed_after_its_stacks(
     _, stacks = stuck.communicate(timeout=10)
     assert b"Current thread" in stacks and b"<string>" in stacks  # where it was
     assert f"worker-0 (pid {stuck.pid}) still running 5 s after its shutdown" in caplog.text
+
+
+def test_the_pool_sums_the_threads_each_rank_last_stepped_on(tmp_path: Path) -> None:
+    """Each rank's answer says the threads its step ran on; an answer that says nothing
+    (0) keeps that rank's last figure."""
+    config = TandemConfig(disagg=DisaggConfig(external_workers=True))
+    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=2)
+    ctx = zmq.Context()
+    ranks = []
+    for rank in range(2):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
+        sock.connect(pool.address)
+        ranks.append(sock)
+    codec: Codec[WorkerMessage] = Codec(WorkerMessage)
+    try:
+        # A ROUTER drops frames to peers it has not heard from: each rank speaks first.
+        for rank, sock in enumerate(ranks):
+            sock.send(codec.encode(WorkerHeartbeat(rank)))
+        deadline = time.monotonic() + 10
+        while len(pool._silences) < 2:  # the ranks' heartbeats, taken and ignored
+            assert time.monotonic() < deadline, "the ranks never connected"
+            pool.sock.poll(10)
+            pool.poll()
+        assert pool.num_threads == 0
+        for step_id, threads in ((1, (2, 2)), (2, (1, 0))):
+            pool.submit(SchedulerOutput(step_id, [], [], {}, []))
+            for sock, n in zip(ranks, threads, strict=True):
+                sock.recv()  # the step
+                sock.send(codec.encode(ModelRunnerOutput(step_id, [], [], num_threads=n)))
+            deadline = time.monotonic() + 10
+            while pool.poll().result is None:
+                assert time.monotonic() < deadline, "the answers never arrived"
+                time.sleep(0.01)
+            if step_id == 1:
+                assert pool.num_threads == 4
+        assert pool.num_threads == 3  # rank 0 gave a core up; rank 1 said nothing new
+    finally:
+        for sock in ranks:
+            sock.close(linger=0)
+        ctx.term()
+        pool.shutdown()
