@@ -127,14 +127,13 @@ GGUF_ARCHITECTURES = {
 
 def gguf_architecture(path: Path) -> str:
     """The Hugging Face architecture of a GGUF file, from its metadata."""
-    import gguf
+    from common.gguf_header import GgufHeader
 
     try:
-        field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
-    except Exception as e:  # gguf raises ValueError/struct.error/... on a bad file
+        name = GgufHeader(path).metadata.get("general.architecture") or "(none)"
+    except (OSError, ValueError) as e:
         raise ValueError(f"--model {path} is not a readable GGUF file: {e}") from None
-    name = bytes(field.parts[-1]).decode() if field is not None else "(none)"
-    if name not in GGUF_ARCHITECTURES:
+    if not isinstance(name, str) or name not in GGUF_ARCHITECTURES:
         known = ", ".join(sorted(GGUF_ARCHITECTURES))
         raise ValueError(f"--model {path}: GGUF architecture {name!r} is not served ({known} are)")
     return GGUF_ARCHITECTURES[name]
