@@ -17,6 +17,7 @@ of ``general.alignment`` (32 unless the file says otherwise).
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -56,10 +57,7 @@ class GgufTensor:
 
     @property
     def num_rows(self) -> int:
-        rows = 1
-        for dim in self.shape[1:]:
-            rows *= dim
-        return rows
+        return math.prod(self.shape[1:])
 
 
 class GgufHeader:
@@ -101,10 +99,8 @@ class GgufHeader:
                 raise ValueError(
                     f"{path}: tensor {name} has an unknown ggml type {type_id}"
                 ) from None
-            elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            self.tensors[name] = GgufTensor(
-                name, type_id, shape, start + offset, elements // block * block_bytes
-            )
+            num_bytes = math.prod(shape) // block * block_bytes
+            self.tensors[name] = GgufTensor(name, type_id, shape, start + offset, num_bytes)
 
     def rows(self, tensor: GgufTensor) -> np.ndarray:
         """The tensor's bytes as ``uint8 [rows, row bytes]``, a view of the file's map
@@ -123,9 +119,13 @@ class GgufHeader:
         self._pos += n
         return out
 
-    def _unpack(self, fmt: str) -> int:
-        value: int = struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
+    def _scalar(self, fmt: str) -> int | float | bool:
+        value: int | float | bool = struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
         return value
+
+    def _unpack(self, fmt: str) -> int:
+        """An integer field of the layout (a count, a length, a type id)."""
+        return int(self._scalar(fmt))
 
     def _string(self) -> str:
         return self._take(self._unpack("Q")).decode("utf-8", errors="replace")
@@ -139,8 +139,7 @@ class GgufHeader:
         fmt = _SCALARS.get(value_type)
         if fmt is None:
             raise ValueError(f"{self.path}: unknown GGUF value type {value_type}")
-        value: int | float | bool = struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
-        return value
+        return self._scalar(fmt)
 
     def _skip_array(self) -> None:
         element_type, count = self._unpack("I"), self._unpack("Q")
