@@ -58,6 +58,7 @@ SOURCES = [
         "gguf_bf16_dot.cpp",
         "gguf_gemm.cpp",
         "gguf_matmul.cpp",
+        "int8_linear.cpp",
         "parallel_trace.cpp",
     )
 ]
@@ -211,6 +212,26 @@ class NativeKernels(Protocol):
     def gguf_gemm_min_rows(self, type: int) -> int: ...
 
     def gguf_gemm_pack(self, weight: torch.Tensor, type: int, in_features: int) -> torch.Tensor: ...
+
+    def int8_linear_isas(self) -> list[int]: ...
+
+    def int8_pack(self, qweight: torch.Tensor) -> torch.Tensor: ...
+
+    def int8_quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def int8_matmul_int32(
+        self, xq: torch.Tensor, packed: torch.Tensor, weight_sums: torch.Tensor, isa: int = -1
+    ) -> torch.Tensor: ...
+
+    def int8_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        weight_sums: torch.Tensor,
+        weight_scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        isa: int = -1,
+    ) -> torch.Tensor: ...
 
     def decode_layers(
         self,

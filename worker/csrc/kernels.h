@@ -209,6 +209,18 @@ class DecodeRowsPlan {
   std::shared_ptr<const State> state_;
 };
 
+// W8A8 projections (int8_linear.cpp): int8 weights per output channel in int8_pack's panels,
+// int8 activations per row quantized in the call, int32 sums, a float epilogue. `isa` picks
+// one of int8_linear_isas() (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI; -1 the best).
+std::vector<int64_t> int8_linear_isas();
+at::Tensor int8_pack(const at::Tensor& qweight);
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);
+at::Tensor int8_matmul_int32(const at::Tensor& xq, const at::Tensor& packed,
+                             const at::Tensor& weight_sums, int64_t isa);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& weight_sums, const at::Tensor& weight_scales,
+                       const std::optional<at::Tensor>& bias, int64_t isa);
+
 // tandem::parallel_steal over tasks that wait costs_us[i] microseconds each: per task, how
 // many times it ran and the thread that ran it (tests only).
 at::Tensor parallel_steal_trace(const at::Tensor& costs_us);

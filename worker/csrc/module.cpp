@@ -67,6 +67,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether gguf_linear dots this many bfloat16 rows with this type's quants as they are "
         "(AVX512-BF16, Q4/Q5 formats, 1-2 rows) rather than converting them to float32",
         py::arg("type"), py::arg("rows"));
+  m.def("int8_linear_isas", &int8_linear_isas,
+        "the int8 kernels' ISA paths built here (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI)");
+  m.def("int8_pack", &int8_pack, "an int8 [out, in] weight in int8_linear's panels",
+        py::arg("qweight"));
+  m.def("int8_quantize_rows", &int8_quantize_rows,
+        "rows to int8 per row (symmetric, max|x| / 127, nearest even), in padded to 4: "
+        "(int8 [rows, padded in], float32 scales [rows])",
+        py::arg("x"));
+  m.def("int8_matmul_int32", &int8_matmul_int32,
+        "the exact int32 products of quantized rows with a packed int8 weight",
+        py::arg("xq"), py::arg("packed"), py::arg("weight_sums"), py::arg("isa") = -1);
+  m.def("int8_linear", &int8_linear,
+        "W8A8 x W^T + b: rows quantized per row, int32 sums, float(acc) * (s_x * s_w) + b, "
+        "out in x's dtype",
+        py::arg("x"), py::arg("packed"), py::arg("weight_sums"), py::arg("weight_scales"),
+        py::arg("bias") = py::none(), py::arg("isa") = -1);
   m.def("decode_layers", &decode_layers,
         "a decode step through every layer of a llama-shaped model");
   m.def("decode_rows_max_rows", &decode_rows_max_rows,

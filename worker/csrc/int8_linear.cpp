@@ -1,0 +1,354 @@
+// W8A8 projections (`--quantization int8`): y = dequant(q(x) Wq^T) (+ bias).
+//
+// The weight is int8 per output channel (symmetric: w ~ s_w[n] * Wq[n, k], Wq in
+// [-127, 127]), quantized once at load (worker/models/int8_linear.py); each input row is
+// quantized here, per token, in the same call (s_x[m] = max|x[m]| / 127, q = round-to-
+// nearest-even(x * 127 / max|x[m]|), in [-127, 127]). Products accumulate exactly in int32;
+// the float epilogue is y[m, n] = float(acc) * (s_x[m] * s_w[n]) + bias[n], one rounding
+// each, in that order, so a float32 reference of the same steps gives the same bits.
+//
+// The weight is packed in panels of 16 output channels: for each group of 4 inputs, the
+// panel's 16 x 4 bytes are adjacent (the layout VPDPBUSD consumes: 4 u8 x s8 products
+// summed into each int32 lane). Each ISA path reads the same packing:
+//   - AVX512-VNNI (Ice Lake, Sapphire Rapids, Zen 4/5): a zmm of the panel per 4 inputs;
+//   - AVX-VNNI (Alder Lake, Sapphire Rapids and later): two ymm halves;
+//   - AVX2 (Haswell, Zen 1-3): VPMADDUBSW then VPMADDWD, with the sign trick (|x| times
+//     sign(x) * w) so no int16 pair sum can saturate (127 * 127 * 2 < 32767);
+//   - portable C++ for any other CPU.
+// The VNNI paths take the activations as unsigned bytes (q + 128) and subtract 128 * the
+// weight row's sum (precomputed at load), which VPDPBUSD's exact int32 sums allow.
+// Every path built is callable by its code (int8_linear_isas()), so each is tested on any
+// host that has it: a native build on an AVX-512 host holds all four.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;     // output channels per packed panel
+constexpr int64_t kGroup = 4;      // inputs per VNNI group
+constexpr int64_t kRowBlock = 4;   // input rows computed together over one panel
+constexpr int64_t kRowChunk = 64;  // input rows per task (with one panel)
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+int64_t padded(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
+
+std::vector<int64_t> isas_built() {
+  std::vector<int64_t> isas{kPortable};
+#if defined(__AVX2__)
+  isas.push_back(kAvx2);
+#endif
+#if defined(__AVXVNNI__)
+  isas.push_back(kAvxVnni);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  isas.push_back(kAvx512Vnni);
+#endif
+  return isas;
+}
+
+// The operands of one call: quantized rows [m, kp] (kp: in padded to 4, zeros past in),
+// the packed weight and its row sums.
+struct Problem {
+  const int8_t* xq;
+  const int8_t* packed;
+  const int32_t* sums;
+  int64_t kp;  // padded inputs
+  int64_t n;   // outputs
+};
+
+// acc[r][j] for rows [row, row + rows) and panel `panel`'s 16 outputs, rows <= kRowBlock.
+void panel_portable(const Problem& p, int64_t row, int64_t rows, int64_t panel,
+                    int32_t acc[kRowBlock][kPanel]) {
+  const int8_t* w = p.packed + panel * p.kp * kPanel;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* x = p.xq + (row + r) * p.kp;
+    for (int64_t j = 0; j < kPanel; ++j) acc[r][j] = 0;
+    for (int64_t g = 0; g < p.kp; g += kGroup) {
+      const int8_t* wg = w + g * kPanel;
+      for (int64_t j = 0; j < kPanel; ++j)
+        for (int64_t i = 0; i < kGroup; ++i)
+          acc[r][j] += int32_t{x[g + i]} * int32_t{wg[j * kGroup + i]};
+    }
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i broadcast_group(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+
+void panel_avx2(const Problem& p, int64_t row, int64_t rows, int64_t panel,
+                int32_t acc[kRowBlock][kPanel]) {
+  const int8_t* w = p.packed + panel * p.kp * kPanel;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo[kRowBlock], hi[kRowBlock];
+  for (int64_t r = 0; r < kRowBlock; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < p.kp; g += kGroup) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel + 32));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i x = broadcast_group(p.xq + (row + r) * p.kp + g);
+      const __m256i ax = _mm256_abs_epi8(x);
+      lo[r] = _mm256_add_epi32(
+          lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+      hi[r] = _mm256_add_epi32(
+          hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r]), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r] + 8), hi[r]);
+  }
+}
+#endif
+
+// The VNNI paths sum (q + 128) * w; this takes 128 * sum(w) back off.
+void unbias(const Problem& p, int64_t rows, int64_t panel, int32_t acc[kRowBlock][kPanel]) {
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const int64_t out = panel * kPanel + j;
+    const int32_t offset = out < p.n ? 128 * p.sums[out] : 0;
+    for (int64_t r = 0; r < rows; ++r) acc[r][j] -= offset;
+  }
+}
+
+#if defined(__AVXVNNI__)
+void panel_avx_vnni(const Problem& p, int64_t row, int64_t rows, int64_t panel,
+                    int32_t acc[kRowBlock][kPanel]) {
+  const int8_t* w = p.packed + panel * p.kp * kPanel;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i lo[kRowBlock], hi[kRowBlock];
+  for (int64_t r = 0; r < kRowBlock; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < p.kp; g += kGroup) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel + 32));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i x = _mm256_xor_si256(broadcast_group(p.xq + (row + r) * p.kp + g), flip);
+      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], x, w0);
+      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], x, w1);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r]), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r] + 8), hi[r]);
+  }
+  unbias(p, rows, panel, acc);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void panel_avx512_vnni(const Problem& p, int64_t row, int64_t rows, int64_t panel,
+                       int32_t acc[kRowBlock][kPanel]) {
+  const int8_t* w = p.packed + panel * p.kp * kPanel;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sum[kRowBlock];
+  for (int64_t r = 0; r < kRowBlock; ++r) sum[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < p.kp; g += kGroup) {
+    const __m512i wg = _mm512_loadu_si512(w + g * kPanel);
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t four;
+      std::memcpy(&four, p.xq + (row + r) * p.kp + g, sizeof(four));
+      const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(four), flip);
+      sum[r] = _mm512_dpbusd_epi32(sum[r], x, wg);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_si512(acc[r], sum[r]);
+  unbias(p, rows, panel, acc);
+}
+#endif
+
+using PanelKernel = void (*)(const Problem&, int64_t, int64_t, int64_t,
+                             int32_t[kRowBlock][kPanel]);
+
+PanelKernel panel_kernel(int64_t isa) {
+  const std::vector<int64_t> built = isas_built();
+  if (isa < 0) isa = built.back();
+  TORCH_CHECK(std::find(built.begin(), built.end(), isa) != built.end(), "int8_linear: ISA path ",
+              isa, " is not built here (built: see int8_linear_isas())");
+  switch (isa) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case kAvx512Vnni:
+      return panel_avx512_vnni;
+#endif
+#if defined(__AVXVNNI__)
+    case kAvxVnni:
+      return panel_avx_vnni;
+#endif
+#if defined(__AVX2__)
+    case kAvx2:
+      return panel_avx2;
+#endif
+    default:
+      return panel_portable;
+  }
+}
+
+// Runs body(row, rows, panel, acc) over every block of rows and panel, in parallel.
+template <typename Body>
+void for_each_block(const Problem& p, int64_t m, int64_t isa, const Body& body) {
+  const PanelKernel kernel = panel_kernel(isa);
+  const int64_t panels = padded(p.n, kPanel) / kPanel;
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  tandem::parallel_steal(chunks * panels, [&](int64_t task, int64_t /*next*/) {
+    const int64_t chunk = task / panels, panel = task % panels;
+    const int64_t end = std::min(m, (chunk + 1) * kRowChunk);
+    int32_t acc[kRowBlock][kPanel];
+    for (int64_t row = chunk * kRowChunk; row < end; row += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, end - row);
+      kernel(p, row, rows, panel, acc);
+      body(row, rows, panel, acc);
+    }
+  });
+}
+
+void check_weight(const at::Tensor& packed, const at::Tensor& sums, int64_t in_features) {
+  tandem::check_cpu("int8_linear", packed, sums);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous(),
+              "int8_linear: the weight must be int8_pack's int8 [panels, in * 16] tensor");
+  TORCH_CHECK(packed.size(1) == padded(in_features, kGroup) * kPanel,
+              "int8_linear: the packed weight holds ", packed.size(1) / kPanel,
+              " padded inputs, the rows have ", in_features);
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.dim() == 1 && sums.is_contiguous() &&
+                  padded(sums.size(0), kPanel) / kPanel == packed.size(0),
+              "int8_linear: weight_sums must be int32 [out] for the packed weight's ",
+              packed.size(0), " panels");
+}
+
+template <typename T>
+float row_amax(const T* x, int64_t k) {
+  float top = 0.f;
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(static_cast<float>(x[i])));
+  return top;
+}
+
+}  // namespace
+
+std::vector<int64_t> int8_linear_isas() { return isas_built(); }
+
+at::Tensor int8_pack(const at::Tensor& qweight) {
+  tandem::check_cpu("int8_pack", qweight);
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2,
+              "int8_pack takes an int8 [out, in] weight, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const at::Tensor w = qweight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), kp = padded(k, kGroup);
+  const int64_t panels = padded(n, kPanel) / kPanel;
+  at::Tensor packed = at::zeros({panels, kp * kPanel}, w.options());
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  for (int64_t out = 0; out < n; ++out) {
+    int8_t* panel = dst + (out / kPanel) * kp * kPanel;
+    const int64_t lane = out % kPanel;
+    for (int64_t i = 0; i < k; ++i)
+      panel[(i / kGroup) * kPanel * kGroup + lane * kGroup + i % kGroup] = src[out * k + i];
+  }
+  return packed;
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
+  tandem::check_cpu("int8_quantize_rows", x);
+  TORCH_CHECK(x.dim() == 2, "int8_quantize_rows takes [rows, in], got ", x.sizes());
+  const at::Tensor rows = x.contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1), kp = padded(k, kGroup);
+  at::Tensor q = at::zeros({m, kp}, rows.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m}, rows.options().dtype(at::kFloat));
+  int8_t* qs = q.data_ptr<int8_t>();
+  float* ss = scales.data_ptr<float>();
+  tandem::dispatch_float_types(rows.scalar_type(), "int8_quantize_rows", [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = rows.data_ptr<T>();
+    at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        const T* xr = src + r * k;
+        const float top = row_amax(xr, k);
+        // 127 / max in float32, then one product and one rounding a value (nearest even,
+        // as std::nearbyint in the default mode and torch.round).
+        const float inv = top > 0.f ? 127.f / top : 0.f;
+        ss[r] = top / 127.f;
+        for (int64_t i = 0; i < k; ++i) {
+          const float v = std::nearbyint(static_cast<float>(xr[i]) * inv);
+          qs[r * kp + i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+        }
+      }
+    });
+  });
+  return {q, scales};
+}
+
+at::Tensor int8_matmul_int32(const at::Tensor& xq, const at::Tensor& packed,
+                             const at::Tensor& weight_sums, int64_t isa) {
+  tandem::check_cpu("int8_matmul_int32", xq);
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) % kGroup == 0,
+              "int8_matmul_int32 takes int8_quantize_rows' int8 [rows, padded in]");
+  check_weight(packed, weight_sums, xq.size(1));
+  const int64_t m = xq.size(0), n = weight_sums.size(0);
+  at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kInt));
+  const Problem p{xq.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
+                  weight_sums.data_ptr<int32_t>(), xq.size(1), n};
+  int32_t* o = out.data_ptr<int32_t>();
+  for_each_block(p, m, isa, [&](int64_t row, int64_t rows, int64_t panel,
+                                int32_t acc[kRowBlock][kPanel]) {
+    const int64_t first = panel * kPanel, count = std::min(kPanel, n - first);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(o + (row + r) * n + first, acc[r], count * sizeof(int32_t));
+  });
+  return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& weight_sums, const at::Tensor& weight_scales,
+                       const std::optional<at::Tensor>& bias, int64_t isa) {
+  tandem::check_cpu("int8_linear", x, weight_scales);
+  TORCH_CHECK(x.dim() == 2, "int8_linear takes [rows, in], got ", x.sizes());
+  check_weight(packed, weight_sums, x.size(1));
+  const int64_t m = x.size(0), n = weight_sums.size(0);
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n &&
+                  weight_scales.is_contiguous(),
+              "int8_linear: weight_scales must be float32 [", n, "]");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "int8_linear: bias must have ", n, " values");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const auto [xq, x_scales] = int8_quantize_rows(x);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const Problem p{xq.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
+                  weight_sums.data_ptr<int32_t>(), xq.size(1), n};
+  const float* sx = x_scales.data_ptr<float>();
+  const float* sw = weight_scales.data_ptr<float>();
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  tandem::dispatch_float_types(x.scalar_type(), "int8_linear", [&](auto zero) {
+    using T = decltype(zero);
+    T* o = out.data_ptr<T>();
+    for_each_block(p, m, isa, [&](int64_t row, int64_t rows, int64_t panel,
+                                  int32_t acc[kRowBlock][kPanel]) {
+      const int64_t first = panel * kPanel, count = std::min(kPanel, n - first);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float scale = sx[row + r];
+        T* dst = o + (row + r) * n + first;
+        for (int64_t j = 0; j < count; ++j) {
+          float y = static_cast<float>(acc[r][j]) * (scale * sw[first + j]);
+          if (b != nullptr) y += b[first + j];
+          dst[j] = static_cast<T>(y);
+        }
+      }
+    });
+  });
+  return out;
+}
