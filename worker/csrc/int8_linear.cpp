@@ -37,10 +37,12 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;     // output channels per packed panel
-constexpr int64_t kGroup = 4;      // inputs per VNNI group
-constexpr int64_t kRowBlock = 4;   // input rows computed together over one panel
-constexpr int64_t kRowChunk = 64;  // input rows per task (with one panel)
+constexpr int64_t kPanel = 16;       // output channels per packed panel
+constexpr int64_t kGroup = 4;        // inputs per VNNI group
+constexpr int64_t kBlockPanels = 4;  // panels computed together (one broadcast, four sums)
+constexpr int64_t kBlock = kBlockPanels * kPanel;
+constexpr int64_t kRowBlock = 4;     // input rows computed together over a block
+constexpr int64_t kRowChunk = 64;    // input rows per task (with one block of panels)
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 
@@ -60,8 +62,10 @@ std::vector<int64_t> isas_built() {
   return isas;
 }
 
-// The operands of one call: quantized rows [m, kp] (kp: in padded to 4, zeros past in),
-// the packed weight and its row sums.
+bool takes_unsigned(int64_t isa) { return isa == kAvxVnni || isa == kAvx512Vnni; }
+
+// The operands of one call: quantized rows [m, kp] (kp: in padded to 4, zeros past in; for
+// the VNNI paths offset to unsigned, q + 128), the packed weight and its row sums.
 struct Problem {
   const int8_t* xq;
   const int8_t* packed;
@@ -70,32 +74,38 @@ struct Problem {
   int64_t n;   // outputs
 };
 
-// acc[r][j] for rows [row, row + rows) and panel `panel`'s 16 outputs, rows <= kRowBlock.
-void panel_portable(const Problem& p, int64_t row, int64_t rows, int64_t panel,
-                    int32_t acc[kRowBlock][kPanel]) {
-  const int8_t* w = p.packed + panel * p.kp * kPanel;
+
+inline const int8_t* panel_weights(const Problem& p, int64_t panel) {
+  return p.packed + panel * p.kp * kPanel;
+}
+
+inline int32_t group_of(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, sizeof(four));
+  return four;
+}
+
+// acc[r * kBlock + j] for rows [row, row + rows) and panel `panel`'s outputs j.
+void panel_portable(const Problem& p, int64_t row, int64_t rows, int64_t panel, int32_t* acc) {
+  const int8_t* w = panel_weights(p, panel);
   for (int64_t r = 0; r < rows; ++r) {
     const int8_t* x = p.xq + (row + r) * p.kp;
-    for (int64_t j = 0; j < kPanel; ++j) acc[r][j] = 0;
+    int32_t* out = acc + r * kBlock;
+    for (int64_t j = 0; j < kPanel; ++j) out[j] = 0;
     for (int64_t g = 0; g < p.kp; g += kGroup) {
       const int8_t* wg = w + g * kPanel;
       for (int64_t j = 0; j < kPanel; ++j)
         for (int64_t i = 0; i < kGroup; ++i)
-          acc[r][j] += int32_t{x[g + i]} * int32_t{wg[j * kGroup + i]};
+          out[j] += int32_t{x[g + i]} * int32_t{wg[j * kGroup + i]};
     }
   }
 }
 
 #if defined(__AVX2__)
-inline __m256i broadcast_group(const int8_t* x) {
-  int32_t four;
-  std::memcpy(&four, x, sizeof(four));
-  return _mm256_set1_epi32(four);
-}
-
-void panel_avx2(const Problem& p, int64_t row, int64_t rows, int64_t panel,
-                int32_t acc[kRowBlock][kPanel]) {
-  const int8_t* w = p.packed + panel * p.kp * kPanel;
+// The 256-bit paths: two ymm halves of a panel, rows of the block's panels one at a time.
+template <bool kVnni>
+void panel_ymm(const Problem& p, int64_t row, int64_t rows, int64_t panel, int32_t* acc) {
+  const int8_t* w = panel_weights(p, panel);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo[kRowBlock], hi[kRowBlock];
   for (int64_t r = 0; r < kRowBlock; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -103,115 +113,135 @@ void panel_avx2(const Problem& p, int64_t row, int64_t rows, int64_t panel,
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel + 32));
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256i x = broadcast_group(p.xq + (row + r) * p.kp + g);
-      const __m256i ax = _mm256_abs_epi8(x);
-      lo[r] = _mm256_add_epi32(
-          lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
-      hi[r] = _mm256_add_epi32(
-          hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r]), lo[r]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r] + 8), hi[r]);
-  }
-}
-#endif
-
-// The VNNI paths sum (q + 128) * w; this takes 128 * sum(w) back off.
-void unbias(const Problem& p, int64_t rows, int64_t panel, int32_t acc[kRowBlock][kPanel]) {
-  for (int64_t j = 0; j < kPanel; ++j) {
-    const int64_t out = panel * kPanel + j;
-    const int32_t offset = out < p.n ? 128 * p.sums[out] : 0;
-    for (int64_t r = 0; r < rows; ++r) acc[r][j] -= offset;
-  }
-}
-
+      const __m256i x = _mm256_set1_epi32(group_of(p.xq + (row + r) * p.kp + g));
+      if constexpr (kVnni) {
 #if defined(__AVXVNNI__)
-void panel_avx_vnni(const Problem& p, int64_t row, int64_t rows, int64_t panel,
-                    int32_t acc[kRowBlock][kPanel]) {
-  const int8_t* w = p.packed + panel * p.kp * kPanel;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256i lo[kRowBlock], hi[kRowBlock];
-  for (int64_t r = 0; r < kRowBlock; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < p.kp; g += kGroup) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel + 32));
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256i x = _mm256_xor_si256(broadcast_group(p.xq + (row + r) * p.kp + g), flip);
-      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], x, w0);
-      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], x, w1);
+        lo[r] = _mm256_dpbusd_avx_epi32(lo[r], x, w0);
+        hi[r] = _mm256_dpbusd_avx_epi32(hi[r], x, w1);
+#endif
+      } else {
+        const __m256i ax = _mm256_abs_epi8(x);
+        lo[r] = _mm256_add_epi32(
+            lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+        hi[r] = _mm256_add_epi32(
+            hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r]), lo[r]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[r] + 8), hi[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kBlock + 8), hi[r]);
   }
-  unbias(p, rows, panel, acc);
 }
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-void panel_avx512_vnni(const Problem& p, int64_t row, int64_t rows, int64_t panel,
-                       int32_t acc[kRowBlock][kPanel]) {
-  const int8_t* w = p.packed + panel * p.kp * kPanel;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i sum[kRowBlock];
-  for (int64_t r = 0; r < kRowBlock; ++r) sum[r] = _mm512_setzero_si512();
+// R rows by P panels in zmm registers: one broadcast of a row's 4 inputs feeds P sums.
+template <int R, int P>
+void block_zmm(const Problem& p, int64_t row, int64_t panel0, int32_t* acc) {
+  __m512i sum[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) sum[r][q] = _mm512_setzero_si512();
+  const int8_t* w = panel_weights(p, panel0);
+  const int64_t stride = p.kp * kPanel;
   for (int64_t g = 0; g < p.kp; g += kGroup) {
-    const __m512i wg = _mm512_loadu_si512(w + g * kPanel);
-    for (int64_t r = 0; r < rows; ++r) {
-      int32_t four;
-      std::memcpy(&four, p.xq + (row + r) * p.kp + g, sizeof(four));
-      const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(four), flip);
-      sum[r] = _mm512_dpbusd_epi32(sum[r], x, wg);
+    __m512i wg[P];
+    for (int q = 0; q < P; ++q) wg[q] = _mm512_loadu_si512(w + q * stride + g * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_set1_epi32(group_of(p.xq + (row + r) * p.kp + g));
+      for (int q = 0; q < P; ++q) sum[r][q] = _mm512_dpbusd_epi32(sum[r][q], x, wg[q]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_si512(acc[r], sum[r]);
-  unbias(p, rows, panel, acc);
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) _mm512_storeu_si512(acc + r * kBlock + q * kPanel, sum[r][q]);
+}
+
+template <int R>
+void block_zmm_rows(const Problem& p, int64_t row, int64_t panel0, int64_t panels, int32_t* acc) {
+  switch (panels) {
+    case 1:
+      return block_zmm<R, 1>(p, row, panel0, acc);
+    case 2:
+      return block_zmm<R, 2>(p, row, panel0, acc);
+    case 3:
+      return block_zmm<R, 3>(p, row, panel0, acc);
+    default:
+      return block_zmm<R, 4>(p, row, panel0, acc);
+  }
 }
 #endif
 
-using PanelKernel = void (*)(const Problem&, int64_t, int64_t, int64_t,
-                             int32_t[kRowBlock][kPanel]);
-
-PanelKernel panel_kernel(int64_t isa) {
-  const std::vector<int64_t> built = isas_built();
-  if (isa < 0) isa = built.back();
-  TORCH_CHECK(std::find(built.begin(), built.end(), isa) != built.end(), "int8_linear: ISA path ",
-              isa, " is not built here (built: see int8_linear_isas())");
+// acc for rows [row, row + rows) by panels [panel0, panel0 + panels), on path `isa`.
+void run_block(int64_t isa, const Problem& p, int64_t row, int64_t rows, int64_t panel0,
+               int64_t panels, int32_t* acc) {
   switch (isa) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case kAvx512Vnni:
-      return panel_avx512_vnni;
+      switch (rows) {
+        case 1:
+          return block_zmm_rows<1>(p, row, panel0, panels, acc);
+        case 2:
+          return block_zmm_rows<2>(p, row, panel0, panels, acc);
+        case 3:
+          return block_zmm_rows<3>(p, row, panel0, panels, acc);
+        default:
+          return block_zmm_rows<4>(p, row, panel0, panels, acc);
+      }
 #endif
 #if defined(__AVXVNNI__)
     case kAvxVnni:
-      return panel_avx_vnni;
+      for (int64_t q = 0; q < panels; ++q)
+        panel_ymm<true>(p, row, rows, panel0 + q, acc + q * kPanel);
+      return;
 #endif
 #if defined(__AVX2__)
     case kAvx2:
-      return panel_avx2;
+      for (int64_t q = 0; q < panels; ++q)
+        panel_ymm<false>(p, row, rows, panel0 + q, acc + q * kPanel);
+      return;
 #endif
     default:
-      return panel_portable;
+      for (int64_t q = 0; q < panels; ++q)
+        panel_portable(p, row, rows, panel0 + q, acc + q * kPanel);
   }
 }
 
-// Runs body(row, rows, panel, acc) over every block of rows and panel, in parallel.
+int64_t checked_isa(int64_t isa) {
+  const std::vector<int64_t> built = isas_built();
+  if (isa < 0) return built.back();
+  TORCH_CHECK(std::find(built.begin(), built.end(), isa) != built.end(), "int8_linear: ISA path ",
+              isa, " is not built here (built: see int8_linear_isas())");
+  return isa;
+}
+
+// Runs body(row, rows, first_output, outputs, acc) over every block of rows and panels, in
+// parallel, with acc the exact int32 products (the VNNI paths' offset taken back off).
 template <typename Body>
-void for_each_block(const Problem& p, int64_t m, int64_t isa, const Body& body) {
-  const PanelKernel kernel = panel_kernel(isa);
-  const int64_t panels = padded(p.n, kPanel) / kPanel;
+void for_each_block(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& sums,
+                    int64_t isa, const Body& body) {
+  isa = checked_isa(isa);
+  // VPDPBUSD multiplies unsigned bytes: q + 128, and 128 * sum(w) subtracted after.
+  const at::Tensor rows = takes_unsigned(isa) ? at::bitwise_xor(xq, -128) : xq;
+  const Problem p{rows.data_ptr<int8_t>(), packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(),
+                  xq.size(1), sums.size(0)};
+  const int64_t m = xq.size(0);
+  const int64_t panels = packed.size(0);
+  const int64_t blocks = (panels + kBlockPanels - 1) / kBlockPanels;
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-  tandem::parallel_steal(chunks * panels, [&](int64_t task, int64_t /*next*/) {
-    const int64_t chunk = task / panels, panel = task % panels;
+  tandem::parallel_steal(chunks * blocks, [&](int64_t task, int64_t /*next*/) {
+    const int64_t chunk = task / blocks, block = task % blocks;
+    const int64_t panel0 = block * kBlockPanels;
+    const int64_t count = std::min(kBlockPanels, panels - panel0);
+    const int64_t first = panel0 * kPanel, outputs = std::min(count * kPanel, p.n - first);
     const int64_t end = std::min(m, (chunk + 1) * kRowChunk);
-    int32_t acc[kRowBlock][kPanel];
+    int32_t acc[kRowBlock * kBlock];
     for (int64_t row = chunk * kRowChunk; row < end; row += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - row);
-      kernel(p, row, rows, panel, acc);
-      body(row, rows, panel, acc);
+      const int64_t n_rows = std::min(kRowBlock, end - row);
+      run_block(isa, p, row, n_rows, panel0, count, acc);
+      if (takes_unsigned(isa))
+        for (int64_t j = 0; j < outputs; ++j)
+          for (int64_t r = 0; r < n_rows; ++r) acc[r * kBlock + j] -= 128 * p.sums[first + j];
+      body(row, n_rows, first, outputs, acc);
     }
   });
 }
@@ -299,15 +329,13 @@ at::Tensor int8_matmul_int32(const at::Tensor& xq, const at::Tensor& packed,
   check_weight(packed, weight_sums, xq.size(1));
   const int64_t m = xq.size(0), n = weight_sums.size(0);
   at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kInt));
-  const Problem p{xq.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
-                  weight_sums.data_ptr<int32_t>(), xq.size(1), n};
   int32_t* o = out.data_ptr<int32_t>();
-  for_each_block(p, m, isa, [&](int64_t row, int64_t rows, int64_t panel,
-                                int32_t acc[kRowBlock][kPanel]) {
-    const int64_t first = panel * kPanel, count = std::min(kPanel, n - first);
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(o + (row + r) * n + first, acc[r], count * sizeof(int32_t));
-  });
+  for_each_block(xq, packed, weight_sums, isa,
+                 [&](int64_t row, int64_t rows, int64_t first, int64_t count, const int32_t* acc) {
+                   for (int64_t r = 0; r < rows; ++r)
+                     std::memcpy(o + (row + r) * n + first, acc + r * kBlock,
+                                 count * sizeof(int32_t));
+                 });
   return out;
 }
 
@@ -328,22 +356,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
   }
   const auto [xq, x_scales] = int8_quantize_rows(x);
   at::Tensor out = at::empty({m, n}, x.options());
-  const Problem p{xq.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
-                  weight_sums.data_ptr<int32_t>(), xq.size(1), n};
   const float* sx = x_scales.data_ptr<float>();
   const float* sw = weight_scales.data_ptr<float>();
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   tandem::dispatch_float_types(x.scalar_type(), "int8_linear", [&](auto zero) {
     using T = decltype(zero);
     T* o = out.data_ptr<T>();
-    for_each_block(p, m, isa, [&](int64_t row, int64_t rows, int64_t panel,
-                                  int32_t acc[kRowBlock][kPanel]) {
-      const int64_t first = panel * kPanel, count = std::min(kPanel, n - first);
+    for_each_block(xq, packed, weight_sums, isa, [&](int64_t row, int64_t rows, int64_t first,
+                                                     int64_t count, const int32_t* acc) {
       for (int64_t r = 0; r < rows; ++r) {
         const float scale = sx[row + r];
         T* dst = o + (row + r) * n + first;
         for (int64_t j = 0; j < count; ++j) {
-          float y = static_cast<float>(acc[r][j]) * (scale * sw[first + j]);
+          float y = static_cast<float>(acc[r * kBlock + j]) * (scale * sw[first + j]);
           if (b != nullptr) y += b[first + j];
           dst[j] = static_cast<T>(y);
         }
