@@ -30,6 +30,7 @@ from common.model_files import gguf_source, resolve_model_dir
 from worker.models.loader import load_model
 from worker.models.packed_linear import PackedLinear
 from worker.models.quant_linear import QuantLinear
+from worker.models.quantizers import GgufBlocks
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     ops, cpu = NativeOps(load_native_kernels()), torch.device("cpu")
     directory = resolve_model_dir(args.model)
-    quant_model = load_model(directory, torch.bfloat16, cpu, ops, None, gguf_source(args.model))
+    quant_model = load_model(
+        directory, torch.bfloat16, cpu, ops, None, GgufBlocks(gguf_source(args.model))
+    )
     dense_model = load_model(directory, torch.bfloat16, cpu, ops)
     quant = [m for m in projections(quant_model, QuantLinear) if isinstance(m, QuantLinear)]
     dense = projections(dense_model, PackedLinear) + projections(dense_model, nn.Linear)

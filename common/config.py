@@ -24,8 +24,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
 # none: weights as the model's dtype; gguf: projections kept in the GGUF's blocks.
-Quantization = Literal["none", "gguf"]
-QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
+Quantization = Literal["none", "gguf", "int8"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ class ModelConfig:
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
         )
         require(
-            self.quantization != "gguf" or self.attention_backend != "torch",
-            "--quantization gguf runs on the native CPU kernels, not --attention-backend torch",
+            self.quantization == "none" or self.attention_backend != "torch",
+            f"--quantization {self.quantization} runs on the native CPU kernels, "
+            "not --attention-backend torch",
         )
         require(
             self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),

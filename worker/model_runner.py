@@ -32,6 +32,7 @@ from worker.kv_memory import SharedCaches, local_caches
 from worker.kv_reshard import KVPuller
 from worker.kv_transfer import KVReceiver, KVSender
 from worker.models.loader import load_model, read_hf_config
+from worker.models.quantizers import WeightQuantizer
 from worker.ops import pick_ops
 from worker.parallel import TensorParallel
 from worker.sampler import SamplingBatch, sample
@@ -85,18 +86,17 @@ class ModelRunner:
         attention_backend: AttentionBackend = "auto",
         kv_segment: str | None = None,
         tp: TensorParallel | None = None,
-        quantized_from: Path | None = None,
+        quantizer: WeightQuantizer | None = None,
     ) -> None:
         """``kv_segment``: map the KV caches from this shared-memory segment (split pools
         with ``--kv-transfer shm``) instead of allocating them here. ``tp``: this rank's
         place in its pool's tensor-parallel group (it holds and caches its shard only).
-        ``quantized_from``: the GGUF whose quantized projections to keep
-        (``--quantization gguf``)."""
+        ``quantizer``: how to keep the projection weights (``--quantization``)."""
         self.device = device
         self.tp = tp or TensorParallel()
         self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
-        self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantized_from)
+        self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantizer)
         self.model_info = read_model_info(model_dir, max_model_len)
         one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
         self.bytes_per_block = one_block * self.model.num_layers * dtype.itemsize

@@ -38,9 +38,10 @@ from common.messages import (
     WorkerInput,
     WorkerReady,
 )
-from common.model_files import gguf_source, resolve_model_dir
+from common.model_files import resolve_model_dir
 from common.process import die_with_parent, freeze_startup_heap, release_free_memory
 from worker.engine_link import EngineLink, enable_heartbeats
+from worker.models.quantizers import quantizer_for
 from worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def _build_runner(
         config.model.attention_backend,
         kv_segment(config.disagg, pool, rank),
         tp,
-        gguf_source(config.model.model) if config.model.quantization == "gguf" else None,
+        quantizer_for(config.model.quantization, config.model.model),
     )
     attach_kv_transport(runner, config, pool, ctx, keys)
     runner.warm_up()

@@ -65,8 +65,9 @@ def test_split_pools_on_cuda_hand_kv_over_tcp_and_match_the_unified_pool(
     [
         (SPLIT, "--kv-transfer shm maps KV in host memory: CPU workers only"),
         (("--quantization", "gguf"), "--quantization gguf runs on the native CPU kernels"),
+        (("--quantization", "int8"), "--quantization int8 runs on the native CPU kernels"),
     ],
-    ids=["shm-hand-off", "gguf-kernels"],
+    ids=["shm-hand-off", "gguf-kernels", "int8-kernels"],
 )
 def test_cpu_only_features_are_refused_on_cuda_saying_why(
     smollm2_dir: Path, flags: tuple[str, ...], reason: str

@@ -25,6 +25,7 @@ from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
 from worker.models.quant_linear import FUSED_MAX_ROWS, GEMM_MAX_ROWS, QuantLinear
+from worker.models.quantizers import GgufBlocks
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
 
@@ -40,7 +41,9 @@ BLOCK_TYPES = {
 def quantized(name: str, dtype: torch.dtype) -> CausalLM:
     ops = NativeOps(load_native_kernels())
     directory = resolve_model_dir(name)
-    return load_model(directory, dtype, torch.device("cpu"), ops, None, gguf_source(name))
+    return load_model(
+        directory, dtype, torch.device("cpu"), ops, None, GgufBlocks(gguf_source(name))
+    )
 
 
 class Batch:

@@ -46,10 +46,14 @@ def test_defaults() -> None:
         (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs must be at least 1"),
         (lambda: CacheConfig(kv_cache_gb=0), "--kv-cache-gb must be positive"),
         (lambda: EngineAddresses(input_address="http://x"), "--input-address must start with"),
-        (lambda: ModelConfig(quantization="awq"), "--quantization must be one of none, gguf"),  # type: ignore[arg-type]
+        (lambda: ModelConfig(quantization="awq"), "--quantization must be one of none, gguf, int8"),  # type: ignore[arg-type]
         (
             lambda: ModelConfig(quantization="gguf", attention_backend="torch"),
             "--quantization gguf runs on the native CPU kernels",
+        ),
+        (
+            lambda: ModelConfig(quantization="int8", attention_backend="torch"),
+            "--quantization int8 runs on the native CPU kernels",
         ),
     ],
 )

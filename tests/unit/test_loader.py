@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from common.model_files import gguf_source, resolve_model_dir
 from tests.parity.families import build
 from worker.models.loader import load_model
+from worker.models.quantizers import GgufBlocks
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, TorchOps
 
@@ -92,6 +93,13 @@ def test_gguf_quantization_refuses_what_it_cannot_serve(tiny_qwen2: Path, tmp_pa
         resolve_model_dir(str(garbage))
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="cannot read GGUF file"):
-        load_model(tiny_qwen2, torch.float32, cpu, NativeOps(load_native_kernels()), None, garbage)
+        load_model(
+            tiny_qwen2,
+            torch.float32,
+            cpu,
+            NativeOps(load_native_kernels()),
+            None,
+            GgufBlocks(garbage),
+        )
     with pytest.raises(ValueError, match="runs on the native CPU kernels; this worker has torch"):
-        load_model(tiny_qwen2, torch.float32, cpu, TorchOps(), None, garbage)
+        load_model(tiny_qwen2, torch.float32, cpu, TorchOps(), None, GgufBlocks(garbage))

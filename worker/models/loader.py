@@ -18,11 +18,11 @@ from worker.huge_pages import move_to_huge_pages
 from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
-from worker.models.gguf_weights import GgufFile
 from worker.models.packed_linear import ONEDNN, can_pack, pack_linears
-from worker.models.quant_linear import QuantLinear, quantize_linears
+from worker.models.quant_linear import QuantLinear
+from worker.models.quantizers import WeightQuantizer
 from worker.models.registry import model_class_for
-from worker.ops import NativeOps, Ops, TorchOps
+from worker.ops import Ops, TorchOps
 from worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -80,12 +80,11 @@ def load_model(
     device: torch.device,
     ops: Ops | None = None,
     tp: TensorParallel | None = None,
-    quantized_from: Path | None = None,
+    quantizer: WeightQuantizer | None = None,
 ) -> CausalLM:
     """Build the model named by ``architectures`` on ``ops`` (default: PyTorch ops) and
-    fill every parameter from disk (with ``tp``, this rank's shard of each). With
-    ``quantized_from`` (a GGUF file of these weights: ``--quantization gguf``), the
-    projections it holds quantized are then kept in its blocks instead.
+    fill every parameter from disk (with ``tp``, this rank's shard of each). With a
+    ``quantizer`` (``--quantization``), the projections are then kept as it keeps them.
 
     Raises ``ValueError`` naming the tensor when one is missing or mis-shaped.
     """
@@ -124,8 +123,8 @@ def load_model(
         )
     model.drop_replicated_biases()
     model.fuse()
-    if quantized_from is not None:
-        _keep_quantized(model, config, quantized_from, ops, tp or TensorParallel(), device)
+    if quantizer is not None:
+        quantizer.apply(model, config, ops, tp or TensorParallel(), device)
     if can_pack(dtype, device):
         gemv = ops.small_batch_linear if ops is not None else None
         packing = ops.packing if ops is not None else ONEDNN
@@ -178,38 +177,3 @@ def _streamed_weights(model: CausalLM) -> Iterator[torch.Tensor]:
         yield from module.buffers(recurse=False)  # None buffers are skipped
         if isinstance(module, QuantLinear):
             yield from module.block_tensors()
-
-
-def _keep_quantized(
-    model: CausalLM,
-    config: dict[str, Any],
-    path: Path,
-    ops: Ops | None,
-    tp: TensorParallel,
-    device: torch.device,
-) -> None:
-    """Swap the projections for ``QuantLinear``s over the GGUF's blocks (native CPU
-    kernels only: the fused dequantize-and-dot lives there)."""
-    if device.type != "cpu" or not isinstance(ops, NativeOps):
-        raise ValueError(
-            "--quantization gguf runs on the native CPU kernels; this worker has "
-            f"{ops.name if ops is not None else 'PyTorch'} ops on {device}"
-        )
-    if tp.size > 1:
-        raise ValueError("--quantization gguf does not shard across tensor-parallel ranks")
-    heads = int(config["num_attention_heads"])
-    gguf = GgufFile(
-        path,
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-    )
-    counts = quantize_linears(model, gguf, ops.kernels, "lm_head.weight" in model.tied_weights)
-    if not counts:
-        raise ValueError(f"{path} holds no quantized projection of this model")
-    logger.info(
-        "kept %d projection weights quantized from %s (%s)",
-        sum(counts.values()),
-        path.name,
-        ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
-    )

@@ -1,0 +1,116 @@
+"""How a worker keeps its projection weights (``--quantization``), chosen once per worker
+and applied by the loader after the float weights are in place: as loaded (no quantizer),
+in a GGUF file's blocks (``GgufBlocks``), or int8 per channel (``Int8PerChannel``, W8A8).
+Both run on the native CPU kernels only; each refuses what it cannot serve, naming why."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from common.config import Quantization
+from common.model_files import gguf_source
+from worker.models.base import CausalLM
+from worker.models.gguf_weights import GgufFile
+from worker.models.int8_linear import quantize_linears_int8
+from worker.models.quant_linear import quantize_linears
+from worker.ops import NativeOps, Ops
+from worker.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+class WeightQuantizer(Protocol):
+    @property
+    def flag(self) -> str:
+        """The ``--quantization`` value, for errors."""
+        ...
+
+    def apply(
+        self,
+        model: CausalLM,
+        config: dict[str, Any],
+        ops: Ops | None,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        """Swap ``model``'s projections (loaded and fused) for quantized ones, in place."""
+
+
+def _native_ops(flag: str, ops: Ops | None, tp: TensorParallel, device: torch.device) -> NativeOps:
+    if device.type != "cpu" or not isinstance(ops, NativeOps):
+        raise ValueError(
+            f"--quantization {flag} runs on the native CPU kernels; this worker has "
+            f"{ops.name if ops is not None else 'PyTorch'} ops on {device}"
+        )
+    if tp.size > 1:
+        raise ValueError(f"--quantization {flag} does not shard across tensor-parallel ranks")
+    return ops
+
+
+@dataclass(frozen=True)
+class GgufBlocks:
+    """The projections a GGUF file of these weights holds quantized, kept in its blocks."""
+
+    path: Path
+    flag: str = "gguf"
+
+    def apply(
+        self,
+        model: CausalLM,
+        config: dict[str, Any],
+        ops: Ops | None,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        native = _native_ops(self.flag, ops, tp, device)
+        heads = int(config["num_attention_heads"])
+        gguf = GgufFile(
+            self.path,
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        )
+        tied = "lm_head.weight" in model.tied_weights
+        counts = quantize_linears(model, gguf, native.kernels, tied)
+        if not counts:
+            raise ValueError(f"{self.path} holds no quantized projection of this model")
+        logger.info(
+            "kept %d projection weights quantized from %s (%s)",
+            sum(counts.values()),
+            self.path.name,
+            ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
+        )
+
+
+@dataclass(frozen=True)
+class Int8PerChannel:
+    """W8A8: every projection but the LM head quantized to int8 per output channel."""
+
+    flag: str = "int8"
+
+    def apply(
+        self,
+        model: CausalLM,
+        config: dict[str, Any],
+        ops: Ops | None,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        native = _native_ops(self.flag, ops, tp, device)
+        count = quantize_linears_int8(model, native.kernels)
+        isa = ("portable", "AVX2", "AVX-VNNI", "AVX512-VNNI")[native.kernels.int8_linear_isas()[-1]]
+        logger.info("quantized %d projections to int8 per channel (W8A8 on %s)", count, isa)
+
+
+def quantizer_for(quantization: Quantization, model: str) -> WeightQuantizer | None:
+    """The quantizer ``--quantization`` names for ``--model`` (None: weights as loaded)."""
+    if quantization == "gguf":
+        return GgufBlocks(gguf_source(model))
+    if quantization == "int8":
+        return Int8PerChannel()
+    return None
