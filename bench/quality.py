@@ -8,7 +8,7 @@ KL(float32 || mode), and top-1 agreement (the share of positions whose argmax is
 The text is ``bench/data/genesis-kjv.txt`` (Genesis 1-30, King James Version: public
 domain; ~27k tokens for either embedded model), cut into windows of ``--context`` tokens,
 each scored from its second token. Modes: ``int8`` (W8A8, ``--quantization int8``) and
-``gguf`` (the file's blocks with float activations, ``--quantization gguf``), each in
+``int8-plain`` (the same without SmoothQuant's rescaling) and ``gguf`` (the file's blocks with float activations, ``--quantization gguf``), each in
 float32 activations, so the figure is the weights' and activations' quantization alone.
 Bounds (issue #68): int8 perplexity ratio <= 1.03 and top-1 agreement >= 95%. Writes
 ``bench/results/quality-NAME.json``.
@@ -40,7 +40,9 @@ BOUNDS = {"int8": (1.03, 0.95)}  # (perplexity ratio at most, top-1 agreement at
 
 def quantizer(mode: str, model: str) -> WeightQuantizer | None:
     if mode == "int8":
-        return Int8PerChannel()
+        return Int8PerChannel(resolve_model_dir(model))
+    if mode == "int8-plain":  # without SmoothQuant's rescaling
+        return Int8PerChannel(resolve_model_dir(model), smooth=False)
     if mode == "gguf":
         return GgufBlocks(gguf_source(model))
     if mode == "float32":
@@ -138,7 +140,7 @@ def verdict(row: dict[str, object]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__)
     p.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
-    p.add_argument("--modes", nargs="+", default=["int8", "gguf"])
+    p.add_argument("--modes", nargs="+", default=["int8", "int8-plain", "gguf"])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--name", default="quality")
     args = p.parse_args(argv)

@@ -13,8 +13,10 @@ from typing import Any, Protocol
 import torch
 
 from common.config import Quantization
-from common.model_files import gguf_source
+from common.model_files import gguf_source, resolve_model_dir
+from worker.models import smooth_quant
 from worker.models.base import CausalLM
+from worker.models.decoder import DecoderLM
 from worker.models.gguf_weights import GgufFile
 from worker.models.int8_linear import quantize_linears_int8
 from worker.models.quant_linear import quantize_linears
@@ -89,8 +91,11 @@ class GgufBlocks:
 
 @dataclass(frozen=True)
 class Int8PerChannel:
-    """W8A8: every projection but the LM head quantized to int8 per output channel."""
+    """W8A8: every projection but the LM head quantized to int8 per output channel, after
+    SmoothQuant's rescaling (``smooth``: calibrated on ``model_dir``'s tokenizer)."""
 
+    model_dir: Path
+    smooth: bool = True
     flag: str = "int8"
 
     def apply(
@@ -102,6 +107,10 @@ class Int8PerChannel:
         device: torch.device,
     ) -> None:
         native = _native_ops(self.flag, ops, tp, device)
+        if self.smooth:
+            if not isinstance(model, DecoderLM):
+                raise ValueError(f"--quantization int8 smooths decoder models, not {type(model)}")
+            smooth_quant.smooth(model, smooth_quant.calibration_ids(self.model_dir))
         count = quantize_linears_int8(model, native.kernels)
         isa = ("portable", "AVX2", "AVX-VNNI", "AVX512-VNNI")[native.kernels.int8_linear_isas()[-1]]
         logger.info("quantized %d projections to int8 per channel (W8A8 on %s)", count, isa)
@@ -112,5 +121,5 @@ def quantizer_for(quantization: Quantization, model: str) -> WeightQuantizer | N
     if quantization == "gguf":
         return GgufBlocks(gguf_source(model))
     if quantization == "int8":
-        return Int8PerChannel()
+        return Int8PerChannel(resolve_model_dir(model))
     return None
