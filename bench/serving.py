@@ -12,6 +12,7 @@ Systems (each skipped with a printed reason when unavailable):
   tandem-sync       tandem serve --no-async-scheduling (the worker waits for the engine between steps)
   tandem-static     tandem serve --batching static
   tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped)
+  tandem-int8       tandem serve --quantization int8 (W8A8: int8 weights per channel, activations per token)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
   tandem-split-tcp  the same, KV streamed over TCP
   llama-server      llama.cpp on the SmolLM2 GGUF as it ships (Q4_1), one slot per client
@@ -57,6 +58,7 @@ SYSTEMS = (
     "tandem-sync",
     "tandem-static",
     "tandem-gguf",
+    "tandem-int8",
     "tandem-split",
     "tandem-split-tcp",
     "llama-server",
@@ -67,6 +69,8 @@ SYSTEMS = (
     "hf-static",
     "hf-continuous",
 )
+# The Tandem systems with quantized projections, and their --quantization
+QUANTIZED = {"tandem-gguf": "gguf", "tandem-int8": "int8"}
 Runner = Callable[[list[BenchRequest], int], tuple[list[RequestResult], float]]
 
 
@@ -175,12 +179,12 @@ class Systems:
         return run
 
     def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
-        if system in ("tandem", "tandem-sync", "tandem-static", "tandem-gguf", *SPLIT):
+        if system in ("tandem", "tandem-sync", "tandem-static", *QUANTIZED, *SPLIT):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
             if system == "tandem-sync":
                 flags += ("--no-async-scheduling",)
-            if system == "tandem-gguf":
-                flags += ("--quantization", "gguf")
+            if system in QUANTIZED:
+                flags += ("--quantization", QUANTIZED[system])
             if system in SPLIT:
                 flags += ("--prefill-workers", "1", "--decode-workers", "1")
                 flags += ("--kv-transfer", SPLIT[system])
