@@ -23,3 +23,18 @@ needs_onednn_bf16 = pytest.mark.skipif(
     reason="the prepacked bfloat16 path is not used on this CPU (oneDNN needs AVX512BW/VL/DQ "
     "to prepack); test_packs_exactly_where_onednn_computes_in_bfloat16 covers what replaces it",
 )
+
+
+def bf16_packs() -> bool:
+    """Whether a bfloat16 model's projections are packed here at all: by oneDNN, or by
+    Tandem's own GEMM (``bf16_gemm_packs``: AVX2 and FMA, no AMX), which needs no oneDNN."""
+    from worker.native import load_native_kernels
+
+    return ONEDNN_BF16 or load_native_kernels().bf16_gemm_packs()
+
+
+needs_bf16_packing = pytest.mark.skipif(
+    not bf16_packs(),
+    reason="no bfloat16 packing on this CPU: oneDNN cannot prepack and the native GEMM needs "
+    "AVX2 and FMA",
+)

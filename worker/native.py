@@ -64,6 +64,7 @@ SOURCES = [
 ]
 HEADERS = [
     CSRC / "simd.h",
+    CSRC / "bf16_gemm_avx2.h",
     CSRC / "kernels.h",
     CSRC / "decode_rows_plan.h",
     CSRC / "gguf_formats.h",

@@ -352,12 +352,17 @@ class NativeOps(TorchOps):
 
     @property
     def packing(self) -> Packing:
-        # One C++ predicate (bf16_gemm_packs: AVX512-BF16 built, no AMX) decides this and
-        # whether there is a small-batch GEMV, so the two agree.
+        # One C++ predicate (bf16_gemm_packs: the GEMM built, AVX512-BF16 or AVX2 and FMA,
+        # and no AMX) decides this and whether there is a small-batch GEMV, so the two agree.
         if not self.kernels.bf16_gemm_packs():
             return ONEDNN
+        # Where there is no GEMV there is no AVX512-BF16: the GEMM's AVX2 tiles, float32 FMAs.
+        isa = "AVX512-BF16" if self.kernels.has_bf16_gemv() else "AVX2, float32 FMAs"
         return Packing(
-            "AVX512-BF16 GEMM", BF16_GEMM_CODE, self.kernels.bf16_gemm_pack, self.kernels.bf16_gemm
+            f"bf16 GEMM ({isa})",
+            BF16_GEMM_CODE,
+            self.kernels.bf16_gemm_pack,
+            self.kernels.bf16_gemm,
         )
 
 

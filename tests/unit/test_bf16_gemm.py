@@ -1,8 +1,8 @@
-"""The AVX512-BF16 GEMM (``worker/csrc/bf16_gemm.cpp``) against float32 matmul rounded
-once to bfloat16, on whichever CPU runs the suite: built exactly where the GEMV is, chosen
-over oneDNN exactly where there is no AMX, an output row independent of the rest of the
-batch, and bad arguments refused. ``PackedLinear`` over its packing routes past the
-GEMV's rows to it."""
+"""The bfloat16 GEMM (``worker/csrc/bf16_gemm.cpp``: AVX512-BF16, or AVX2 and FMA) against
+float32 matmul rounded once to bfloat16, on whichever CPU runs the suite, and again on the
+x86-64-v3 build (its AVX2 tiles): built wherever there is AVX2 and FMA, chosen over oneDNN
+exactly where there is no AMX, an output row independent of the rest of the batch, and bad
+arguments refused. ``PackedLinear`` over its packing routes past the GEMV's rows to it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.avx2_build import assert_passes_on_the_avx2_build
 from tests.cpu import cpu_has
 from tests.unit.bf16_matmul import reference, within_one_rounding
 from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear
@@ -17,10 +18,10 @@ from worker.native import kernel_arch, load_native_kernels
 from worker.ops import NativeOps, TorchOps
 
 kernels = load_native_kernels()
-# Without AVX512-BF16 (the CPU, or a portable kernel build) there is no product to check;
+# Below AVX2 and FMA (the CPU, or an x86-64-v2 kernel build) there is no product to check;
 # what such a build must do instead, refuse, is checked by test_refuses_what_it_cannot_take.
 needs_gemm = pytest.mark.skipif(
-    not kernels.has_bf16_gemm(), reason="no AVX512-BF16 on this CPU or kernel build level"
+    not kernels.has_bf16_gemm(), reason="no AVX2 and FMA on this CPU or kernel build level"
 )
 
 
@@ -34,11 +35,16 @@ def operands(
     return x, w, b
 
 
-def test_built_with_the_gemv_and_chosen_where_there_is_no_amx() -> None:
-    assert kernels.has_bf16_gemm() == kernels.has_bf16_gemv()
-    if kernel_arch() == "native":
-        assert kernels.has_bf16_gemm() == cpu_has("avx512_bf16")
+def test_built_wherever_there_is_avx2_and_chosen_where_there_is_no_amx() -> None:
+    arch = kernel_arch()
+    if arch == "native":
+        assert kernels.has_bf16_gemm() == (cpu_has("avx2") and cpu_has("fma"))
+        assert kernels.has_bf16_gemv() == cpu_has("avx512_bf16")
         assert kernels.has_amx_linear() == cpu_has("amx_bf16")
+    else:  # the portable levels: v3 and v4 have AVX2 and FMA, none has AVX512-BF16
+        assert kernels.has_bf16_gemm() == (arch in ("x86-64-v3", "x86-64-v4"))
+        assert not kernels.has_bf16_gemv()
+    assert kernels.has_bf16_gemv() <= kernels.has_bf16_gemm()  # the GEMV only with the GEMM
     packs = kernels.has_bf16_gemm() and not kernels.has_amx_linear()
     assert kernels.bf16_gemm_packs() == packs
     packing = NativeOps(kernels).packing
@@ -48,8 +54,9 @@ def test_built_with_the_gemv_and_chosen_where_there_is_no_amx() -> None:
 
 
 @needs_gemm
-# 14 (one tile of the most rows), 15 (14 and 1), 29 (14, 8, 7), 32 (14, 9, 9)
-@pytest.mark.parametrize("rows", [1, 2, 3, 9, 14, 15, 29, 32, 33, 200])
+# AVX512-BF16: 14 (one tile of the most rows), 15 (14 and 1), 29 (14, 8, 7), 32 (14, 9, 9);
+# AVX2: 1 (one row over both blocks), 5 (one tile), 6 (5 and 1), 11 (5, 3, 3)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 9, 11, 14, 15, 29, 32, 33, 200])
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     # whole groups of 32 outputs; a last group of 1 block; outputs past the last whole
@@ -81,9 +88,9 @@ def test_a_row_comes_out_the_same_whatever_the_batch() -> None:
 
 def test_refuses_what_it_cannot_take() -> None:
     w = torch.ones(48, 64, dtype=torch.bfloat16)
-    packed = kernels.bf16_gemm_pack(w)  # the layout needs no AVX512-BF16; the product does
+    packed = kernels.bf16_gemm_pack(w)  # the layout needs no AVX2; the product does
     if not kernels.has_bf16_gemm():
-        with pytest.raises(RuntimeError, match="no AVX512-BF16 kernel"):
+        with pytest.raises(RuntimeError, match="no bf16 GEMM"):
             kernels.bf16_gemm(torch.ones(2, 64, dtype=torch.bfloat16), packed, None)
         return
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -152,3 +159,8 @@ def test_the_packed_layout_is_the_documented_one(out_features: int, in_features:
     expected = layout(w)
     assert torch.equal(packed[: len(expected)].view(torch.int16), expected.view(torch.int16))
     assert not packed[len(expected) :].view(torch.int16).any()  # the zeros past the layout
+
+
+def test_the_avx2_build_passes_these_tests() -> None:
+    """This file again on the x86-64-v3 build: the AVX2 tiles, whatever this host has."""
+    assert_passes_on_the_avx2_build(__file__)

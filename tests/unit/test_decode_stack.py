@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.counted_kernels import CountedKernels
-from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
+from tests.cpu import bf16_packs, needs_bf16_packing, needs_onednn_bf16
 from tests.fused_steps import fused_against_python
 from tests.parity.families import build
 from worker.attention import AttentionMetadata
@@ -60,6 +60,13 @@ class GemvOps(NativeOps):
 
 
 OPS = {"host": NativeOps, "gemv": GemvOps, "onednn-only": NoGemvOps}
+# The host's own kernels pack wherever anything packs (on AVX2 hosts without oneDNN's
+# bfloat16, the native GEMM); the other two choices pack with oneDNN.
+KERNEL_CHOICES = [
+    pytest.param("host", marks=needs_bf16_packing),
+    pytest.param("gemv", marks=needs_onednn_bf16),
+    pytest.param("onednn-only", marks=needs_onednn_bf16),
+]
 
 
 def load(family: str, tmp_path: Path, kernels: str = "host") -> DecoderLM:
@@ -78,15 +85,14 @@ def test_not_in_float32(tmp_path: Path) -> None:
 
 
 def test_only_over_prepacked_projections(tmp_path: Path) -> None:
-    """Where oneDNN cannot prepack bfloat16, the projections stay ``nn.Linear`` and the
-    layers run one by one."""
+    """Where neither oneDNN nor the native GEMM can pack bfloat16, the projections stay
+    ``nn.Linear`` and the layers run one by one."""
     model = load("llama", tmp_path)
-    assert (model.fused_decode is not None) == ONEDNN_BF16
-    assert any(isinstance(m, PackedLinear) for m in model.modules()) == ONEDNN_BF16
+    assert (model.fused_decode is not None) == bf16_packs()
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == bf16_packs()
 
 
-@needs_onednn_bf16
-@pytest.mark.parametrize("kernels", list(OPS))
+@pytest.mark.parametrize("kernels", KERNEL_CHOICES)
 @pytest.mark.parametrize("family", FUSED)
 def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path: Path) -> None:
     model = load(family, tmp_path, kernels)
@@ -112,8 +118,7 @@ def test_bit_identical_to_the_python_layers(family: str, kernels: str, tmp_path:
     assert calls.layers == [n for n in rows if n > raw_rows]
 
 
-@needs_onednn_bf16
-@pytest.mark.parametrize("kernels", list(OPS))
+@pytest.mark.parametrize("kernels", KERNEL_CHOICES)
 @pytest.mark.parametrize("family", OTHER_SHAPES)
 def test_other_shapes_take_decode_rows_bit_identically(
     family: str, kernels: str, tmp_path: Path
@@ -145,7 +150,7 @@ def test_other_shapes_take_decode_rows_bit_identically(
     assert calls.layers == []  # the others ran through the Python layers
 
 
-@needs_onednn_bf16
+@needs_bf16_packing
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_rows_times_its_phases_without_changing_a_bit(family: str, tmp_path: Path) -> None:
     """With ``phase_seconds`` (bench.step_profile's split of a fused step) every phase of
@@ -153,7 +158,7 @@ def test_decode_rows_times_its_phases_without_changing_a_bit(family: str, tmp_pa
     layers; where this host's kernels take no decode_rows steps, nothing is timed."""
     model = load(family, tmp_path)
     fused = model.fused_decode
-    if fused is None:  # gemma3 without decode_rows (no AVX512-BF16): no fused step at all
+    if fused is None:  # gemma3 without decode_rows (AMX: GEMV and oneDNN): no fused step at all
         assert family == "gemma3" and not load_native_kernels().decode_rows_max_rows(True)
         return
     assert isinstance(fused, DecodeStack)
@@ -269,7 +274,7 @@ def test_decode_rows_takes_any_rows_on_the_gemm() -> None:
 
 def test_decode_rows_refuses_plain_weights_for_the_gemm() -> None:
     kernels = load_native_kernels()
-    if kernels.decode_rows_max_rows(True) == 0:  # no AVX512-BF16: no plan on the GEMM at all
+    if kernels.decode_rows_max_rows(True) == 0:  # no AVX2: no plan on the GEMM at all
         with pytest.raises(RuntimeError, match="decode_rows: this build has no bf16_gemm"):
             call_decode_rows(1, gemm=True)
         return

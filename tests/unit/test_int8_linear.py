@@ -11,18 +11,14 @@ portable, AVX2, AVX-VNNI, AVX512-VNNI; the x86-64-v3 build, run by
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.avx2_build import assert_passes_on_the_avx2_build
 from tests.cpu import cpu_has
-from worker.native import KERNEL_ARCH_ENV, kernel_arch, load_native_kernels
+from worker.native import kernel_arch, load_native_kernels
 
 kernels = load_native_kernels()
 ISAS = kernels.int8_linear_isas()
@@ -30,7 +26,6 @@ PORTABLE, AVX2, AVX_VNNI, AVX512_VNNI = 0, 1, 2, 3
 # The epilogue's products may be reassociated by the compiler (-fassociative-math): two
 # roundings apart at most.
 EPILOGUE_ULPS = 2
-REPO = Path(__file__).resolve().parents[2]
 
 
 def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,26 +158,5 @@ def test_bad_operands_are_refused_naming_the_problem() -> None:
 
 
 def test_the_avx2_build_passes_these_tests() -> None:
-    """This file again, in a process whose kernels are the portable x86-64-v3 build (the
-    image's level, and an AVX2-only host's paths), whatever this host has beyond it."""
-    env = {**os.environ, KERNEL_ARCH_ENV: "x86-64-v3"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "not avx2_build",
-            __file__,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    """This file again on the portable x86-64-v3 build, whatever this host has beyond it."""
+    assert_passes_on_the_avx2_build(__file__)

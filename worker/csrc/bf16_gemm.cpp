@@ -36,7 +36,9 @@
 //
 // Every sum is float32, in K order, and rounded once to bfloat16 after the bias, as the
 // GEMV does; an output depends only on its own row of x, never on how many rows the call
-// has. Without AVX512-BF16 has_bf16_gemm() is false and oneDNN keeps those rows.
+// has. Where the CPU has AVX2 and FMA but no AVX512-BF16, the same layout goes to
+// bf16_gemm_avx2.h's tiles, which give the same sums; below AVX2 has_bf16_gemm() is
+// false and oneDNN (or nn.Linear) keeps those rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -44,16 +46,24 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 #include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define TANDEM_HAS_BF16_GEMM 1
+#define TANDEM_BF16_GEMM_AVX512 1
+#define TANDEM_BF16_GEMM_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "bf16_gemm_avx2.h"
+#define TANDEM_BF16_GEMM_AVX512 0
+#define TANDEM_BF16_GEMM_AVX2 1
 #else
-#define TANDEM_HAS_BF16_GEMM 0
+#define TANDEM_BF16_GEMM_AVX512 0
+#define TANDEM_BF16_GEMM_AVX2 0
 #endif
+#define TANDEM_HAS_BF16_GEMM (TANDEM_BF16_GEMM_AVX512 || TANDEM_BF16_GEMM_AVX2)
 
 namespace {
 
@@ -64,31 +74,43 @@ constexpr int64_t kTileRows = 14;       // rows of x per tile, at most
 // (bench.forward's decode step, fetching on and off alternated in one process), without
 // the fetches 1 row took 0.93x the time, 2 rows 0.92-0.95x, 4 rows 0.86x, 5 rows 0.94x;
 // 6 rows 0.97-1.05x, 7 rows 1.04-1.09x, 8 rows 1.09x, 32 rows 1.03x (docs/benchmarks.md).
-constexpr int64_t kFetchFromRows = 6;
+constexpr int64_t kFetchFromRows = TANDEM_BF16_GEMM_AVX2 ? 1 : 6;
 static_assert(kTileRows <= 14, "tile_rows has a tile for each height up to 14, the most registers hold");
+
+constexpr const char* kNoGemm = "bf16_gemm: this build has no bf16 GEMM (AVX512-BF16, or AVX2 and FMA)";
 
 int64_t padded_pairs(int64_t in_features) { return (in_features + 1) / 2; }
 int64_t blocks_of(int64_t out_features) { return (out_features + kBlock - 1) / kBlock; }
 
 #if TANDEM_HAS_BF16_GEMM
-// A bfloat16 is a float's top half: 16 of them widened to floats (masked lanes zero).
-inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // Cache lines [first, first + lines) of weights a later tile reads, fetched into L2 while
 // this tile computes.
 struct Ahead {
-  const __m512bh* first = nullptr;  // a vector is one line
+  const char* first = nullptr;
   int64_t lines = 0;
 
   // Share `part` of `parts`, as even as whole lines allow.
   Ahead share(int64_t part, int64_t parts) const {
     const int64_t begin = lines * part / parts, end = lines * (part + 1) / parts;
-    return {first + begin, end - begin};
+    return {first + 64 * begin, end - begin};
   }
 };
+
+// Group g of a packed weight of `blocks` 16-output blocks and `pairs` K pairs: its lines
+// (a block's K pair, 16 pairs of bfloat16, is one line).
+Ahead group_lines(const uint16_t* packed, int64_t blocks, int64_t pairs, int64_t g) {
+  const int64_t first_block = g * kGroupBlocks;
+  return {reinterpret_cast<const char*>(packed) + 64 * first_block * pairs,
+          std::min(kGroupBlocks, blocks - first_block) * pairs};
+}
+#endif
+
+#if TANDEM_BF16_GEMM_AVX512
+// A bfloat16 is a float's top half: 16 of them widened to floats (masked lanes zero).
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // y[r][out0 + 16 b + i] for r < R, b < B (x and y start at the tile's first row): one
 // tile over every K pair of x's rows (pairs each) and the group's weights w.
@@ -99,7 +121,7 @@ void tile(const uint32_t* x, int64_t pairs, const __m512bh* w, const uint16_t* b
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   // ahead.lines / pairs lines a K pair, the remainder carried (no division in the loop).
-  const char* line = reinterpret_cast<const char*>(ahead.first);
+  const char* line = ahead.first;
   int64_t owed = 0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512bh wv[B];
@@ -163,13 +185,45 @@ void group_rows(const uint32_t* x, int64_t rows, int64_t pairs, const __m512bh* 
                  y + r * out_features, ahead.share(t + 1, tiles));
 }
 
-// Group g of a packed weight of `blocks` 16-output blocks and `pairs` K pairs: its lines.
-Ahead group_lines(const uint16_t* packed, int64_t blocks, int64_t pairs, int64_t g) {
-  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
-  const int64_t first_block = g * kGroupBlocks;
-  return {w + first_block * pairs, std::min(kGroupBlocks, blocks - first_block) * pairs};
+#endif
+
+#if TANDEM_HAS_BF16_GEMM
+// x's rows as a path's tiles read them: the bfloat16 pairs themselves (AVX512-BF16), or
+// widened to float32 once a call (AVX2), in a buffer of the calling thread's.
+struct Rows {
+  const uint32_t* pairs = nullptr;
+  const float* floats = nullptr;
+};
+
+Rows rows_of(const uint16_t* x, int64_t count) {
+#if TANDEM_BF16_GEMM_AVX2
+  thread_local std::vector<float> wide;
+  if (static_cast<int64_t>(wide.size()) < count) wide.resize(count);
+  tandem::bf16_gemm_avx2::widen_rows(x, count, wide.data());
+  return {nullptr, wide.data()};
+#else
+  (void)count;
+  return {reinterpret_cast<const uint32_t*>(x), nullptr};
+#endif
 }
 
+// Every row of x against one group of `group` blocks (1 or 2) starting at output out0.
+void run_group(const Rows& x, int64_t rows, int64_t pairs, const uint16_t* group_weights,
+               int64_t group, const uint16_t* bias, int64_t out0, int64_t out_features,
+               uint16_t* y, Ahead ahead) {
+#if TANDEM_BF16_GEMM_AVX512
+  static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(group_weights);
+  if (group == 2)
+    group_rows<2>(x.pairs, rows, pairs, w, bias, out0, out_features, y, ahead);
+  else
+    group_rows<1>(x.pairs, rows, pairs, w, bias, out0, out_features, y, ahead);
+#else
+  tandem::bf16_gemm_avx2::group_rows(x.floats, rows, pairs,
+                                     reinterpret_cast<const uint32_t*>(group_weights), group,
+                                     bias, out0, out_features, y, ahead.first, ahead.lines);
+#endif
+}
 #endif
 
 }  // namespace
@@ -191,7 +245,7 @@ void bf16_gemm_pack_group(const uint16_t* rows, int64_t count, int64_t in_featur
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t valid = std::min(kBlock, count - b * kBlock);
     const uint16_t* first = rows + b * kBlock * in_features;
-#if TANDEM_HAS_BF16_GEMM
+#if TANDEM_BF16_GEMM_AVX512
     // Lane i gathers row i's pair kp: a 16 x (in / 2) transpose of 32-bit pairs, one
     // gather a vector (the rows of a group are in L1 or L2: they were just written).
     const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
@@ -251,13 +305,12 @@ bool bf16_gemm_holds(const at::Tensor& packed, int64_t out_features, int64_t in_
 void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
                     uint16_t* y, int64_t rows, int64_t out_features, int64_t in_features,
                     const Bf16GemmNext* then) {
-  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(has_bf16_gemm(), kNoGemm);
   TORCH_CHECK(in_features % 2 == 0, "bf16_gemm_rows: x's rows must be whole pairs");
 #if TANDEM_HAS_BF16_GEMM
   const int64_t blocks = blocks_of(out_features), pairs = in_features / 2;
-  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed);
   const int64_t groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  const Rows xr = rows_of(x, rows * in_features);
   // The first group `thread` will take of `then`: its starting share's first, as
   // parallel_steal splits that call.
   const auto then_first = [&](int64_t thread) -> Ahead {
@@ -271,19 +324,14 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
   };
   tandem::parallel_steal(groups, [&](int64_t g, int64_t following) {
     const int64_t first_block = g * kGroupBlocks;
-    const int64_t group = std::min(kGroupBlocks, blocks - first_block);
-    const __m512bh* wg = w + first_block * pairs;
-    const int64_t out0 = first_block * kBlock;
     // What this thread computes next: a group of this weight, or, after its last, its first
     // of the next projection; nothing for a few rows (kFetchFromRows).
     const Ahead ahead = rows < kFetchFromRows ? Ahead{}
                         : following >= 0      ? group_lines(packed, blocks, pairs, following)
                                               : then_first(at::get_thread_num());
-    static_assert(kGroupBlocks == 2, "a group holds 2 blocks, the last one 1 or 2");
-    if (group == 2)
-      group_rows<2>(xs, rows, pairs, wg, bias, out0, out_features, y, ahead);
-    else
-      group_rows<1>(xs, rows, pairs, wg, bias, out0, out_features, y, ahead);
+    run_group(xr, rows, pairs, packed + 2 * kBlock * first_block * pairs,
+              std::min(kGroupBlocks, blocks - first_block), bias, first_block * kBlock,
+              out_features, y, ahead);
   });
 #else
   (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)out_features, (void)then;
@@ -292,16 +340,12 @@ void bf16_gemm_rows(const uint16_t* x, const uint16_t* packed, const uint16_t* b
 
 void bf16_gemm_group(const uint16_t* x, int64_t rows, int64_t in_features, const uint16_t* group,
                      const uint16_t* bias, int64_t out0, int64_t out_features, uint16_t* y) {
-  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(has_bf16_gemm(), kNoGemm);
   TORCH_CHECK(in_features % 2 == 0 && out0 % bf16_gemm_group_outputs() == 0 && out0 < out_features,
               "bf16_gemm_group: whole pairs of x, a group's first output");
 #if TANDEM_HAS_BF16_GEMM
-  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  const __m512bh* w = reinterpret_cast<const __m512bh*>(group);
-  if (out_features - out0 > kBlock)
-    group_rows<2>(xs, rows, in_features / 2, w, bias, out0, out_features, y, Ahead{});
-  else
-    group_rows<1>(xs, rows, in_features / 2, w, bias, out0, out_features, y, Ahead{});
+  run_group(rows_of(x, rows * in_features), rows, in_features / 2, group,
+            out_features - out0 > kBlock ? 2 : 1, bias, out0, out_features, y, Ahead{});
 #else
   (void)x, (void)rows, (void)group, (void)bias, (void)y;
 #endif
@@ -309,7 +353,7 @@ void bf16_gemm_group(const uint16_t* x, int64_t rows, int64_t in_features, const
 
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(has_bf16_gemm(), kNoGemm);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "bf16_gemm: x must be a CPU bfloat16 [rows, in]");
   const int64_t rows = x.size(0), in = x.size(1);

@@ -125,9 +125,9 @@ def load_model(
     model.fuse()
     if quantizer is not None:
         quantizer.apply(model, config, ops, tp or TensorParallel(), device)
-    if can_pack(dtype, device):
+    packing = ops.packing if ops is not None else ONEDNN
+    if can_pack(dtype, device, packing):
         gemv = ops.small_batch_linear if ops is not None else None
-        packing = ops.packing if ops is not None else ONEDNN
         logger.info(
             "prepacked %d linear layers for %s (bfloat16)%s",
             pack_linears(model, gemv, packing),

@@ -78,14 +78,17 @@ ONEDNN_CODE, BF16_GEMM_CODE = 0, 1
 ONEDNN = Packing("oneDNN", ONEDNN_CODE, _onednn_pack, _onednn_run)
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """bfloat16 on a CPU whose oneDNN computes in it: packing refuses CPUs without
-    AVX512BW/VL/DQ or AVX-NE-CONVERT (AMD Zen 2/3, Intel before Skylake-SP), where the
-    model keeps ``nn.Linear``."""
+def can_pack(dtype: torch.dtype, device: torch.device, packing: Packing = ONEDNN) -> bool:
+    """bfloat16 on a CPU that multiplies by ``packing``'s layout: Tandem's GEMM runs on
+    AVX2 (``bf16_gemm_packs``); oneDNN's refuses CPUs without AVX512BW/VL/DQ or
+    AVX-NE-CONVERT (AMD Zen 2/3, Intel before Skylake-SP), where the model keeps
+    ``nn.Linear``."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    if packing is not ONEDNN:
+        return True
     return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
