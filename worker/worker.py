@@ -137,7 +137,7 @@ def _build_runner(
 
     torch.set_num_threads(config.disagg.threads_per_worker())
     device = pick_device()
-    dtype = resolve_dtype(config.model.dtype, device)
+    dtype = resolve_dtype(config.model.dtype, device, config.model.attention_backend)
     ranks = config.disagg.tp_size(str(pool))
     if ranks > 1 and not tp_init_address:
         raise ValueError("tensor parallelism needs --tp-init-address (the engine sets it)")
