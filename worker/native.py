@@ -45,6 +45,7 @@ SOURCES = [
         "module.cpp",
         "decode_attention.cpp",
         "decode_attention_bf16.cpp",
+        "decode_attention_avx2.cpp",
         "prefill_attention_bf16.cpp",
         "rms_norm.cpp",
         "elementwise.cpp",

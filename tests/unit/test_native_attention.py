@@ -1,7 +1,8 @@
 """The native CPU decode-attention kernel against the PyTorch path (block gather + SDPA)
 and a float64 reference: GQA ratios, head sizes, sliding windows, ragged contexts over
 scattered blocks, and the dtypes served; a sequence's output is the same alone and in any
-batch, blocks shared with another sequence included."""
+batch, blocks shared with another sequence included. Run again on the x86-64-v3 build, whose
+kernel (decode_attention_avx2.cpp) an AVX-512 host's native build does not hold."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.avx2_build import assert_passes_on_the_avx2_build
 from worker.attention import build_metadata, paged_attention
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, TorchOps
@@ -167,3 +169,8 @@ def test_kernel_refuses_out_of_range_metadata() -> None:
         kernels.decode_attention(
             q, cache[:, :, :, ::2], torch.tensor([[1]]), torch.tensor([3]), 1.0, 0, BLOCK // 2
         )
+
+
+def test_the_avx2_build_passes_these_tests() -> None:
+    """This file again on the x86-64-v3 build: the AVX2 kernel, whatever this host has."""
+    assert_passes_on_the_avx2_build(__file__)

@@ -68,4 +68,11 @@ __attribute__((always_inline)) inline __m512 transpose_sum(const __m512 v[16]) {
 // Returns whether it took the problem (out written); else another kernel must.
 bool attend_bf16(const Problem<c10::BFloat16>& p);
 
+// The AVX2 kernel (decode_attention_avx2.cpp), where this build has AVX2 and FMA but no
+// AVX-512 and the head size is a multiple of 16 with at most 8 query heads per KV head.
+// Returns whether it took the problem (out written); else another kernel must.
+bool attend_avx2(const Problem<float>& p);
+bool attend_avx2(const Problem<c10::BFloat16>& p);
+bool attend_avx2(const Problem<c10::Half>& p);
+
 }  // namespace tandem::attention

@@ -8,7 +8,8 @@
 // an L1 tile; the 16 dot products of a tile are reduced together (one transpose-add tree,
 // not 16 horizontal sums). Values of groups up to 4 heads (head size a multiple of 64)
 // are converted in registers, every head's accumulators held there across the tile; other
-// groups go through the tile too. Elsewhere one task per sequence runs the plain loops.
+// groups go through the tile too. With AVX2 and FMA alone decode_attention_avx2.cpp's
+// kernel takes them; elsewhere one task per sequence runs the plain loops.
 // Bfloat16 caches of the shapes we serve go to decode_attention_bf16.cpp instead, where the
 // CPU has AVX512-BF16.
 //
@@ -223,6 +224,7 @@ void attend_problem(const Problem<T>& p) {
 #if defined(__AVX512F__)
   if (p.dim % kLanes == 0 && p.group() <= kMaxGroup) return attend_tiled(p);
 #endif
+  if (tandem::attention::attend_avx2(p)) return;
   attend_plain(p);
 }
 
