@@ -69,6 +69,7 @@ HEADERS = [
     CSRC / "kernels.h",
     CSRC / "decode_rows_plan.h",
     CSRC / "gguf_formats.h",
+    CSRC / "gguf_dot_avx2.h",
     CSRC / "attention_problem.h",
     CSRC / "parallel.h",
 ]

@@ -3,7 +3,8 @@ gguf-py, the dequantizer transformers loads GGUF files with: every supported blo
 dequantized bit for bit alike (through the stored path and through the in-register paths
 of the fused linear, float32 rows and bfloat16 rows; to bfloat16, rounded once as
 ``Tensor.to`` rounds), the fused linear against a float64 matmul for both row dtypes,
-``QuantLinear``'s two paths against each other, and clear refusals."""
+``QuantLinear``'s two paths against each other, and clear refusals; again on the x86-64-v3
+build (the AVX2 dot products, ``gguf_dot_avx2.h``), whatever this host has."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import dequantize
 
+from tests.avx2_build import assert_passes_on_the_avx2_build
 from tests.cpu import cpu_has
 from worker.models.gguf_weights import GgufWeight
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
@@ -178,3 +180,8 @@ def test_refusals_name_the_problem(kernels: NativeKernels) -> None:
         kernels.gguf_linear(x.to(torch.float16), blocks, int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.gguf_linear(x, blocks, int(Q.Q4_1), torch.randn(3))
+
+
+def test_the_avx2_build_passes_these_tests() -> None:
+    """This file again on the x86-64-v3 build: the AVX2 dot products, whatever this host has."""
+    assert_passes_on_the_avx2_build(__file__)

@@ -23,6 +23,9 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "gguf_dot_avx2.h"
+#endif
 #include "kernels.h"
 
 namespace {
@@ -100,6 +103,9 @@ void dot_rows(const uint8_t* rows, int64_t row_bytes, int64_t blocks, const floa
   }
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) out[t * N + r] = _mm512_reduce_add_ps(acc[t][r]) + off[t][r];
+#elif defined(__AVX2__) && defined(__FMA__)
+  tandem::gguf_avx2::dot_rows<F, T, R, factored<F>(T)>(rows, row_bytes, blocks, x, K, xsum, out, N,
+                                                       kPrefetchBytes);
 #else
   float sum[T][R] = {};
   for (int64_t b = 0; b < blocks; ++b) {
