@@ -45,7 +45,13 @@ def test_built_wherever_there_is_avx2_and_chosen_where_there_is_no_amx() -> None
         assert kernels.has_bf16_gemm() == (arch in ("x86-64-v3", "x86-64-v4"))
         assert not kernels.has_bf16_gemv()
     assert kernels.has_bf16_gemv() <= kernels.has_bf16_gemm()  # the GEMV only with the GEMM
-    packs = kernels.has_bf16_gemm() and not kernels.has_amx_linear()
+    # the AVX2 tiles (no GEMV built) pack only where the CPU has no AVX512-BF16 for oneDNN
+    avx2_tiles = kernels.has_bf16_gemm() and not kernels.has_bf16_gemv()
+    packs = (
+        kernels.has_bf16_gemm()
+        and not kernels.has_amx_linear()
+        and not (avx2_tiles and cpu_has("avx512_bf16"))
+    )
     assert kernels.bf16_gemm_packs() == packs
     packing = NativeOps(kernels).packing
     assert (packing.code == BF16_GEMM_CODE) == packs
@@ -110,8 +116,8 @@ def test_refuses_what_it_cannot_take() -> None:
 @needs_gemm
 def test_packed_linear_sends_the_rows_past_the_gemv_to_it() -> None:
     packing = NativeOps(kernels).packing
-    if packing is ONEDNN:  # an AMX CPU: oneDNN keeps them (test_gemv)
-        assert kernels.has_amx_linear()
+    if packing is ONEDNN:  # AMX (test_gemv), or a portable build on an AVX512-BF16 CPU
+        assert kernels.has_amx_linear() or cpu_has("avx512_bf16")
         return
     calls: list[int] = []
 

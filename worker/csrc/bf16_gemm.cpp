@@ -232,8 +232,18 @@ bool has_bf16_gemm() { return TANDEM_HAS_BF16_GEMM != 0; }
 
 // On AMX CPUs oneDNN's packed matmul computes prefills on the tiles and amx_linear takes
 // decode batches; elsewhere this kernel beat oneDNN at every row count measured, 2 to 1,024
-// (bench.gemv; docs/benchmarks.md), so it takes every batch past the GEMV's rows.
-bool bf16_gemm_packs() { return has_bf16_gemm() && !has_amx_linear(); }
+// (bench.gemv; docs/benchmarks.md), so it takes every batch past the GEMV's rows. Its AVX2
+// tiles pack only on a CPU without AVX512-BF16: where a portable build (the image's
+// x86-64-v3) runs on one that has it, oneDNN computes in bfloat16 there (on AMX tiles, or
+// VDPBF16PS) and keeps the rows it kept before the AVX2 tiles existed.
+bool bf16_gemm_packs() {
+  if (!has_bf16_gemm() || has_amx_linear()) return false;
+#if TANDEM_BF16_GEMM_AVX2
+  return !__builtin_cpu_supports("avx512bf16");
+#else
+  return true;
+#endif
+}
 
 int64_t bf16_gemm_group_outputs() { return kBlock * kGroupBlocks; }
 
