@@ -65,6 +65,7 @@ SOURCES = [
 ]
 HEADERS = [
     CSRC / "simd.h",
+    CSRC / "avx2.h",
     CSRC / "bf16_gemm_avx2.h",
     CSRC / "kernels.h",
     CSRC / "decode_rows_plan.h",

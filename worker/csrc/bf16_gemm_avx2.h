@@ -21,6 +21,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "avx2.h"
+
 namespace tandem::bf16_gemm_avx2 {
 
 constexpr int64_t kTileRows = 5;  // rows per tile, at most: what 16 registers hold
@@ -148,10 +150,7 @@ inline void group_rows(const float* x, int64_t rows, int64_t pairs, const uint32
 // float's top half).
 inline void widen_rows(const uint16_t* x, int64_t count, float* out) {
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
-  }
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, tandem::avx2::widen_bf16(x + i));
   for (; i < count; ++i) {
     const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
     std::memcpy(out + i, &bits, sizeof bits);

@@ -17,26 +17,22 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
 
 using tandem::attention::Problem;
+using tandem::avx2::hsum;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  return tandem::avx2::widen_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 // exp(x) for x < 88 (below -87, 0), as simd.h's exp_lanes: 2^k e^r, e^r to r^7.
@@ -70,7 +66,7 @@ float softmax8(float* scores, int64_t n) {
     _mm256_storeu_ps(scores + t, e);
     total = _mm256_add_ps(total, e);
   }
-  float sum = hsum8(total);
+  float sum = hsum(total);
   for (; t < n; ++t) {
     scores[t] = std::exp(scores[t] - top);
     sum += scores[t];
@@ -121,8 +117,8 @@ void attend_group(const Problem<T>& p, int64_t seq, int64_t g, std::vector<float
       }
     }
     for (int h = 0; h < G; ++h) {
-      scores[h * span + t] = hsum8(s0[h]);
-      scores[h * span + t + 1] = hsum8(s1[h]);
+      scores[h * span + t] = hsum(s0[h]);
+      scores[h * span + t + 1] = hsum(s1[h]);
     }
   }
   if (t < span) {
@@ -131,7 +127,7 @@ void attend_group(const Problem<T>& p, int64_t seq, int64_t g, std::vector<float
       __m256 s = _mm256_setzero_ps();
       for (int64_t c = 0; c < dim; c += 8)
         s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * dim + c), load8(k0 + c), s);
-      scores[h * span + t] = hsum8(s);
+      scores[h * span + t] = hsum(s);
     }
   }
   float inv[G];

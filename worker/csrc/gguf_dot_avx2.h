@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx2.h"
 #include "gguf_formats.h"
 
 namespace tandem::gguf_avx2 {
@@ -17,10 +18,6 @@ namespace tandem::gguf_avx2 {
 using tandem::gguf::Q4;
 using tandem::gguf::Q5;
 using tandem::gguf::Q8_0;
-
-inline __m256 widen_u8(const uint8_t* p) {  // 8 bytes as 8 floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 
 // The 32 quants of a block as whole floats (less the centre for the formats without a min),
 // weights 8 i .. 8 i + 7 in q[i].
@@ -62,12 +59,6 @@ inline void quants(const Q8_0*, const uint8_t* b, __m256 q[4]) {
   for (int i = 0; i < 4; ++i)
     q[i] = _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 // gguf_linear.cpp's dot_rows on AVX2: out[t * N + r] = dot(weight row r, x[t * K]) for T
@@ -125,7 +116,7 @@ void dot_rows(const uint8_t* rows, int64_t row_bytes, int64_t blocks, const floa
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) out[t * N + r] = hsum(acc[t][r]) + off[t][r];
+    for (int r = 0; r < R; ++r) out[t * N + r] = tandem::avx2::hsum(acc[t][r]) + off[t][r];
 }
 
 }  // namespace tandem::gguf_avx2
