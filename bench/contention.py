@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.share < 1:
         p.error("--share must be between 0 and 1")
     threads = torch.get_num_threads()
-    setup = Setup(args.model, torch.bfloat16, args.batch)
+    setup = Setup(args.model, torch.bfloat16, args.batch, "none", "auto")
     # Per burst length, one (alone, beside, competitor's CPU) triple a round.
     runs: dict[float, list[tuple[float, float, float]]] = {b: [] for b in args.bursts_ms}
     for _ in range(args.rounds):

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import API_KEYS_ENV, ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, TandemConfig
+from common.config import (
+    API_KEYS_ENV,
+    ATTENTION_BACKENDS,
+    DTYPES,
+    GGUF_ACTIVATIONS,
+    QUANTIZATIONS,
+    TandemConfig,
+)
 from common.env_flags import apply_env_defaults
 
 
@@ -59,6 +66,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--model) in the file's quantized blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) "
         "and compute with fused dequantize-and-dot kernels: ~3x fewer bytes per decode "
         "step; native CPU kernels only (default: %(default)s)",
+    )
+    m.add_argument(
+        "--gguf-activations",
+        default=d.model.gguf_activations,
+        choices=GGUF_ACTIVATIONS,
+        help="with --quantization gguf: q8 = quantize each projection's input to 8 bits per "
+        "block of 32 and multiply in integers, as llama.cpp does (faster where the CPU has no "
+        "bfloat16 dot; perplexity in docs/benchmarks.md), float = multiply the input as it is "
+        "(exact: greedy parity with transformers), auto = q8 on CPUs without AVX512-BF16, "
+        "float on those with it (default: %(default)s)",
     )
     m.add_argument(
         "--generation-config",

@@ -26,6 +26,10 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
 # none: weights as the model's dtype; gguf: projections kept in the GGUF's blocks.
 Quantization = Literal["none", "gguf", "int8"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8")
+# --quantization gguf's activations: q8 = quantized to 8 bits per block of 32 and dotted in
+# integers (llama.cpp's arithmetic), float = as they are (exact), auto = chosen per CPU.
+GgufActivations = Literal["auto", "q8", "float"]
+GGUF_ACTIVATIONS: tuple[str, ...] = ("auto", "q8", "float")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class ModelConfig:
     # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
     quantization: Quantization = "none"
+    gguf_activations: GgufActivations = "auto"
     # Sampling defaults for fields a request leaves out: "auto" = the model's
     # generation_config.json, "vllm" = none (OpenAI's), or a directory with that file.
     generation_config: str = "auto"
@@ -58,6 +63,10 @@ class ModelConfig:
         require(
             self.quantization in QUANTIZATIONS,
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
+        )
+        require(
+            self.gguf_activations in GGUF_ACTIVATIONS,
+            f"--gguf-activations must be one of {', '.join(GGUF_ACTIVATIONS)}",
         )
         require(
             self.quantization == "none" or self.attention_backend != "torch",

@@ -59,6 +59,7 @@ SOURCES = [
         "gguf_bf16_dot.cpp",
         "gguf_gemm.cpp",
         "gguf_matmul.cpp",
+        "gguf_q8.cpp",
         "int8_linear.cpp",
         "parallel_trace.cpp",
     )
@@ -207,7 +208,10 @@ class NativeKernels(Protocol):
         bias: torch.Tensor | None,
         packed: torch.Tensor | None = None,
         bf16_out: bool = False,
+        q8_activations: bool = False,
     ) -> torch.Tensor: ...
+
+    def gguf_quantize_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gguf_has_bf16_rows(self, type: int, rows: int) -> bool: ...
 
@@ -247,6 +251,7 @@ class NativeKernels(Protocol):
         biases: list[torch.Tensor | None],
         gguf_types: list[int],
         gguf_fused_max_rows: int,
+        gguf_q8: bool,
         kv_caches: list[torch.Tensor],
         windows: list[int],
         slots: torch.Tensor,
@@ -273,6 +278,7 @@ class NativeKernels(Protocol):
         gguf_types: list[int],
         gguf_packed: list[torch.Tensor],
         gguf_segments: list[int],
+        gguf_q8: bool,
         gemma_norms: bool,
         qk_norms: bool,
         sandwich_norms: bool,

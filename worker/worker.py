@@ -154,7 +154,7 @@ def _build_runner(
         config.model.attention_backend,
         kv_segment(config.disagg, pool, rank),
         tp,
-        quantizer_for(config.model.quantization, config.model.model),
+        quantizer_for(config.model.quantization, config.model.model, config.model.gguf_activations),
     )
     attach_kv_transport(runner, config, pool, ctx, keys)
     runner.warm_up()

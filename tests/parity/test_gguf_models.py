@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from common.config import GgufActivations
 from common.model_files import gguf_source, resolve_model_dir
 from tests.counted_kernels import CountedKernels
 from tests.fused_steps import takes_gguf_raw_rows
@@ -24,7 +25,7 @@ from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.quant_linear import FUSED_MAX_ROWS, GEMM_MAX_ROWS, QuantLinear
+from worker.models.quant_linear import FUSED_MAX_ROWS, GEMM_MAX_ROWS, Q8_MAX_ROWS, QuantLinear
 from worker.models.quantizers import GgufBlocks
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
@@ -38,12 +39,12 @@ BLOCK_TYPES = {
 }
 
 
-def quantized(name: str, dtype: torch.dtype) -> CausalLM:
+def quantized(name: str, dtype: torch.dtype, activations: GgufActivations = "float") -> CausalLM:
+    """The model over its GGUF's blocks; float activations (exact: parity) unless asked."""
     ops = NativeOps(load_native_kernels())
     directory = resolve_model_dir(name)
-    return load_model(
-        directory, dtype, torch.device("cpu"), ops, None, GgufBlocks(gguf_source(name))
-    )
+    quantizer = GgufBlocks(gguf_source(name), activations)
+    return load_model(directory, dtype, torch.device("cpu"), ops, None, quantizer)
 
 
 class Batch:
@@ -102,15 +103,21 @@ def assert_float32_logits_follow(batch: Batch, ref: PreTrainedModel) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "rows"),
-    [("smollm2-135m-instruct", n) for n in (1, 2, 3, 4)] + [("gemma-3-270m", n) for n in (1, 4)],
+    ("name", "rows", "activations"),
+    [("smollm2-135m-instruct", n, "float") for n in (1, 2, 3, 4)]
+    + [("gemma-3-270m", n, "float") for n in (1, 4)]
+    + [("smollm2-135m-instruct", n, "q8") for n in (1, 3)]
+    + [("gemma-3-270m", 2, "q8")],
 )
-def test_bf16_fused_decode_step_over_blocks_is_bit_identical(name: str, rows: int) -> None:
+def test_bf16_fused_decode_step_over_blocks_is_bit_identical(
+    name: str, rows: int, activations: GgufActivations
+) -> None:
     """1 row: the bfloat16 dot over the blocks; 2 to 4: the GEMM where this CPU has one;
     on AVX512-BF16 hosts every step through decode_rows' raw rows. Gemma's layers (sandwich
     and q/k norms, GeGLU, two RoPEs) and its projections of several block types (q, k and
-    v of different types: a QuantLinear of several segments) only there."""
-    model = quantized(name, torch.bfloat16)
+    v of different types: a QuantLinear of several segments) only there. With 8-bit
+    activations both sides run gguf_linear_q8 at every row count."""
+    model = quantized(name, torch.bfloat16, activations)
     assert isinstance(model, DecoderLM)
     fused = model.fused_decode
     kernels = load_native_kernels()
@@ -120,7 +127,9 @@ def test_bf16_fused_decode_step_over_blocks_is_bit_identical(name: str, rows: in
     assert isinstance(fused, DecodeStack)
     # Every block type of both files is repacked for the GEMM where the CPU has one.
     gemm = all(kernels.gguf_gemm_packs(t) for t in fused.gguf_segment_types)
-    assert fused.gguf_fused_max_rows == (GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS)
+    assert fused.gguf_q8 is (activations == "q8")
+    fused_rows = Q8_MAX_ROWS if fused.gguf_q8 else GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS
+    assert fused.gguf_fused_max_rows == fused_rows
     # Every layer projection is GGUF blocks without a bias: decode_rows takes the steps
     # where it takes any.
     raw = takes_gguf_raw_rows(fused)
@@ -222,3 +231,34 @@ def test_bf16_decode_steps_stay_near_float32(name: str) -> None:
             for seq, row in zip(batch.seqs, reference, strict=True):
                 seq.append(int(row.argmax()))
     assert clear_steps >= DECODE_STEPS * len(prompts) // 2
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_q8_activations_stay_near_float_activations(name: str) -> None:
+    """``--gguf-activations q8`` on a float32 model beside the exact float activations: the
+    parity prompts prefilled together, then greedy decode steps (both sides fed the exact
+    side's tokens); at every step the logits within the 8-bit rounding's drift and the
+    next token the same wherever the exact side's lead is clear. (Perplexity over 27k
+    tokens: ``python -m bench.quality``.)"""
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(name)))
+    prompts = [tok(text).input_ids for text in PROMPTS[name]]
+    q8_model = quantized(name, torch.float32, "q8")
+    assert all(m.q8_activations for m in q8_model.modules() if isinstance(m, QuantLinear))
+    exact, q8 = (
+        Batch(m, prompts, torch.float32) for m in (quantized(name, torch.float32), q8_model)
+    )
+    starts = [0] * len(prompts)
+    clear_total = 0
+    for step in range(DECODE_STEPS + 1):
+        want, got = exact.step(starts), q8.step(starts)
+        drift = (got - want).abs().max().item()
+        assert drift < 0.1 * want.abs().max().item(), f"step {step}: max |logit diff| {drift:.2f}"
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1.0
+        clear_total += int(clear.sum())
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), f"step {step}"
+        starts = [len(s) for s in exact.seqs]
+        for a, b, row in zip(exact.seqs, q8.seqs, want, strict=True):
+            a.append(int(row.argmax()))
+            b.append(int(row.argmax()))
+    assert clear_total >= len(prompts) * (DECODE_STEPS + 1) // 2  # the check had teeth

@@ -23,6 +23,7 @@ from tests.fused_steps import takes_gguf_raw_rows
 from tests.parity.test_gguf_models import Batch, assert_float32_logits_follow, quantized
 from tests.parity.tiny_gguf import LAYERS, write_tiny_qwen2_gguf
 from tests.stack import CPU_WORKERS, TandemStack, completion
+from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.quant_linear import QuantLinear
@@ -67,8 +68,9 @@ def test_served_from_the_file_with_the_greedy_tokens_of_transformers(
     tiny_gguf: Path, reference: tuple[Any, PreTrainedModel]
 ) -> None:
     tok, ref = reference
-    flags = ("--model", str(tiny_gguf), "--served-model-name", "tiny-qwen2")
-    with TandemStack(*flags, "--quantization", "gguf", "--dtype", "float32", env=CPU_WORKERS) as s:
+    flags: tuple[str, ...] = ("--model", str(tiny_gguf), "--served-model-name", "tiny-qwen2")
+    flags += ("--quantization", "gguf", "--gguf-activations", "float")  # exact: parity
+    with TandemStack(*flags, "--dtype", "float32", env=CPU_WORKERS) as s:
         for text in PROMPTS:
             ids = tok(text, return_tensors="pt").input_ids
             with torch.no_grad():
@@ -84,6 +86,43 @@ def test_served_from_the_file_with_the_greedy_tokens_of_transformers(
                 return_token_ids=True,
             )
             assert out["choices"][0]["token_ids"] == expected, text
+
+
+def greedy_in_process(model: CausalLM, prompt: list[int]) -> list[int]:
+    """MAX_TOKENS greedy tokens of one prompt: a prefill, then a decode step a token."""
+    batch = Batch(model, [prompt], torch.float32)
+    logits, out = batch.step([0]), []
+    for _ in range(MAX_TOKENS):
+        out.append(int(logits[0].argmax()))
+        batch.seqs[0].append(out[-1])
+        if len(out) < MAX_TOKENS:
+            logits = batch.step([len(batch.seqs[0]) - 1])
+    return out
+
+
+def test_served_with_8_bit_activations_as_the_kernels_compute_in_process(
+    tiny_gguf: Path, reference: tuple[Any, PreTrainedModel]
+) -> None:
+    """``--gguf-activations q8`` through the real processes: the served greedy tokens are
+    the in-process model's on the same kernels (their own quality: bench.quality and
+    test_gguf_models)."""
+    tok, _ = reference
+    model = quantized(str(tiny_gguf), torch.float32, "q8")
+    flags: tuple[str, ...] = ("--model", str(tiny_gguf), "--served-model-name", "tiny-qwen2")
+    flags += ("--quantization", "gguf", "--gguf-activations", "q8")
+    with TandemStack(*flags, "--dtype", "float32", env=CPU_WORKERS) as s:
+        for text in PROMPTS:
+            ids = tok(text).input_ids
+            out = completion(
+                s.url,
+                ids,
+                model="tiny-qwen2",
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                ignore_eos=True,
+                return_token_ids=True,
+            )
+            assert out["choices"][0]["token_ids"] == greedy_in_process(model, ids), text
 
 
 def test_bf16_decode_steps_take_the_raw_rows_with_their_biases(tiny_gguf: Path) -> None:

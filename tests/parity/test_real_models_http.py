@@ -64,7 +64,8 @@ def gguf_served_url(model_name: str) -> Iterator[str]:
     model = model_name
     if model_name == "smollm2-135m-instruct":
         model = str(find_embedded_gguf(EMBEDDED_MODELS[model_name]))
-    flags = ("--model", model, "--served-model-name", model_name, "--quantization", "gguf")
+    flags: tuple[str, ...] = ("--model", model, "--served-model-name", model_name)
+    flags += ("--quantization", "gguf", "--gguf-activations", "float")  # float: exact parity
     with TandemStack(*flags, "--dtype", "float32", env=CPU_WORKERS) as stack:
         yield stack.url
 

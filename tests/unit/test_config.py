@@ -24,10 +24,12 @@ def test_cli_round_trip() -> None:
         "tcp://127.0.0.1:5555",
         "--quantization",
         "gguf",
+        "--gguf-activations",
+        "float",
     ]
     config = parse_config(argv)
     assert config.model.dtype == "float32" and config.scheduler.max_num_seqs == 4
-    assert config.model.quantization == "gguf"
+    assert config.model.quantization == "gguf" and config.model.gguf_activations == "float"
     assert config.served_model_name == "x"
     assert parse_config(config.to_cli_args()) == config
 
@@ -47,6 +49,10 @@ def test_defaults() -> None:
         (lambda: CacheConfig(kv_cache_gb=0), "--kv-cache-gb must be positive"),
         (lambda: EngineAddresses(input_address="http://x"), "--input-address must start with"),
         (lambda: ModelConfig(quantization="awq"), "--quantization must be one of none, gguf, int8"),  # type: ignore[arg-type]
+        (
+            lambda: ModelConfig(gguf_activations="q4"),  # type: ignore[arg-type]
+            "--gguf-activations must be one of auto, q8, float",
+        ),
         (
             lambda: ModelConfig(quantization="gguf", attention_backend="torch"),
             "--quantization gguf runs on the native CPU kernels",

@@ -227,6 +227,7 @@ def call_decode_rows(
         gguf_types or [],
         [torch.empty(0, dtype=torch.uint8)] * len(gguf_types or []),
         [1] * len(gguf_types or []),
+        False,  # float activations
         False,
         qk_norms,
         False,

@@ -67,6 +67,7 @@ struct GgufWeight {
   const int64_t* types;
   size_t count;
   const at::Tensor* bias;
+  bool q8;  // 8-bit activations (gguf_linear_q8)
 };
 
 // y = x W^T (+ b) for n rows, on the kernel for the weights' layout.
@@ -92,7 +93,7 @@ struct Projection {
     int64_t first = 0;
     for (size_t s = 0; s < w.count; ++s) {
       const at::Tensor product =
-          gguf_linear(rows, w.blocks[s], w.types[s], std::nullopt, w.packed[s]);
+          gguf_linear(rows, w.blocks[s], w.types[s], std::nullopt, w.packed[s], false, w.q8);
       const int64_t width = w.blocks[s].size(0);
       const float* b = bias ? bias + first : nullptr;
       for (int64_t r = 0; r < n; ++r) {
@@ -255,7 +256,8 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& ids, const at::Tensor& slots,
         const size_t first = first_segment[at];
         project(x_rows,
                 GgufWeight{&st.projections[first], &st.gguf_packed[first], &st.gguf_types[first],
-                           first_segment[at + 1] - first, biased ? w.gguf_bias[i] : nullptr},
+                           first_segment[at + 1] - first, biased ? w.gguf_bias[i] : nullptr,
+                           st.gguf_q8},
                 y, n, out, in);
       }
       else {

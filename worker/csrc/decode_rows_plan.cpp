@@ -18,7 +18,7 @@ DecodeRowsPlan::DecodeRowsPlan(
     std::vector<at::Tensor> norms, std::vector<at::Tensor> projections, bool gemm,
     std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> gguf_types,
     std::vector<at::Tensor> gguf_packed, const std::vector<int64_t>& gguf_segments,
-    bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
+    bool gguf_q8, bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
     std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
     std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t block_size, double eps, double scale, at::Tensor embedding, double embed_scale,
@@ -34,6 +34,7 @@ DecodeRowsPlan::DecodeRowsPlan(
   st.windows = std::move(windows);
   st.rope_of_layer = std::move(rope_of_layer);
   st.gemm = gemm;
+  st.gguf_q8 = gguf_q8;
   st.gemma_norms = gemma_norms, st.qk_norms = qk_norms, st.sandwich_norms = sandwich_norms;
   st.heads = heads, st.kv_heads = kv_heads, st.head_dim = head_dim, st.block_size = block_size;
   st.eps = eps, st.scale = scale;

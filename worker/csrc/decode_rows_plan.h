@@ -44,6 +44,7 @@ struct DecodeRowsPlan::State {
   float embed_scale = 0.0f;  // bfloat16-rounded, as the Python path multiplies; 0: none
   int64_t vocab = 0;
   bool gemm = false;  // bf16_gemm_pack's layout, on bf16_gemm; else the GEMV's plain one
+  bool gguf_q8 = false;  // GGUF projections with 8-bit activations (gguf_linear_q8)
   bool gguf = false, gemma_norms = false, qk_norms = false, sandwich_norms = false;
   Activation act = Activation::kSilu;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0, hidden = 0, inter = 0;

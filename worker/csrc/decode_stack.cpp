@@ -56,12 +56,12 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& plain,
 // dequantized.
 at::Tensor gguf_projection(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& gemm,
                            int64_t type, const std::optional<at::Tensor>& bias,
-                           int64_t fused_max_rows) {
+                           int64_t fused_max_rows, bool q8) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (x.size(0) <= fused_max_rows) {
     const at::Tensor rows = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
     // bfloat16 rows: the product rounded once in the kernel, as .to() would round it
-    return gguf_linear(rows, blocks, type, bias, gemm, bf16).to(x.scalar_type());
+    return gguf_linear(rows, blocks, type, bias, gemm, bf16, q8).to(x.scalar_type());
   }
   const at::Tensor weight = gguf_dequantize(blocks, type, x.size(1), bf16).to(x.scalar_type());
   std::optional<at::Tensor> b;
@@ -75,10 +75,12 @@ struct Projections {
   const int64_t* packings;
   const int64_t* gguf_types;
   int64_t gguf_fused_max_rows;
+  bool gguf_q8;
 
   at::Tensor operator()(size_t i, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
     if (gguf_types[i] >= 0)
-      return gguf_projection(x, *plain[i], packed[i], gguf_types[i], bias, gguf_fused_max_rows);
+      return gguf_projection(x, *plain[i], packed[i], gguf_types[i], bias, gguf_fused_max_rows,
+                             gguf_q8);
     return linear(x, plain[i], packed[i], packings[i], bias);
   }
 };
@@ -93,6 +95,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
                          const std::vector<int64_t>& packings,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
+                         bool gguf_q8,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
                          const at::Tensor& context_lens, const at::Tensor& cos,
@@ -115,7 +118,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
     const at::Tensor* norm = &norms[l * kNormsPerLayer];
     const size_t first = l * kLinearsPerLayer;
     const Projections proj{&plain[first], &packed[first], &packings[first], &gguf_types[first],
-                           gguf_fused_max_rows};
+                           gguf_fused_max_rows, gguf_q8};
     const std::optional<at::Tensor>* b = &biases[l * kBiasesPerLayer];
     // Attention.forward
     at::Tensor qkv = proj(0, rms_norm(x, norm[0], eps, false), b[0])

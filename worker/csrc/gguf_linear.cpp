@@ -179,7 +179,8 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& packed, bool bf16_out) {
+                       const std::optional<at::Tensor>& packed, bool bf16_out,
+                       bool q8_activations) {
   TORCH_CHECK(x.device().is_cpu() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.is_contiguous(),
@@ -191,6 +192,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
                 "gguf_linear: the bias is a contiguous float32 [out] tensor");
     b = bias->data_ptr<float>();
   }
+  if (q8_activations) return gguf_linear_q8(x, weight, type, b, bf16_out);
   if (x.scalar_type() == at::kBFloat16) {
     if (packed.has_value() && packed->numel() > 0 && M >= gguf_gemm_min_rows(type))
       return gguf_gemm(x, *packed, type, N, b, bf16_out);

@@ -68,10 +68,18 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_fe
 at::Tensor gguf_bf16_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                             const std::optional<at::Tensor>& bias);
 // bf16_out: the float32 product rounded to bfloat16 (the GEMM writes it so directly).
+// q8_activations: x quantized to 8 bits per block of 32 and dotted in integers
+// (gguf_linear_q8), else x as it is (exact).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& packed = std::nullopt,
-                       bool bf16_out = false);
+                       bool bf16_out = false, bool q8_activations = false);
+// The 8-bit-activation path of gguf_linear (gguf_q8.cpp): x (float32 or bfloat16 rows)
+// quantized per block of 32 as gguf_quantize_q8 returns it (q int8 [rows, in], d float32
+// [rows, in / 32]: x ~ d q), each weight sub-block dotted with q in integers.
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                          const float* bias, bool bf16_out);
+std::tuple<at::Tensor, at::Tensor> gguf_quantize_q8(const at::Tensor& x);
 // The bfloat16-row path of gguf_linear (gguf_bf16_dot.cpp): whether this build takes that
 // many rows of a ggml type there, and the product (float32 [rows, out]) where it does.
 bool gguf_has_bf16_rows(int64_t type, int64_t rows);
@@ -99,6 +107,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
                          const std::vector<int64_t>& packings,
                          const std::vector<std::optional<at::Tensor>>& biases,
                          const std::vector<int64_t>& gguf_types, int64_t gguf_fused_max_rows,
+                         bool gguf_q8,
                          std::vector<at::Tensor> kv_caches, const std::vector<int64_t>& windows,
                          const at::Tensor& slots, const at::Tensor& block_table,
                          const at::Tensor& context_lens, const at::Tensor& cos,
@@ -191,7 +200,7 @@ class DecodeRowsPlan {
   DecodeRowsPlan(std::vector<at::Tensor> norms, std::vector<at::Tensor> projections, bool gemm,
                  std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> gguf_types,
                  std::vector<at::Tensor> gguf_packed, const std::vector<int64_t>& gguf_segments,
-                 bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
+                 bool gguf_q8, bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
                  std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
                  std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads,
                  int64_t head_dim, int64_t block_size, double eps, double scale,

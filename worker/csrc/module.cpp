@@ -52,7 +52,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "from gguf_gemm_min_rows, as gguf_gemm_pack repacked them); float32 out, or (bf16_out) "
         "bfloat16 rounded once from it",
         py::arg("x"), py::arg("weight"), py::arg("type"), py::arg("bias") = py::none(),
-        py::arg("packed") = py::none(), py::arg("bf16_out") = false);
+        py::arg("packed") = py::none(), py::arg("bf16_out") = false,
+        py::arg("q8_activations") = false);
+  m.def("gguf_quantize_q8", &gguf_quantize_q8,
+        "rows quantized as gguf_linear's 8-bit activations: (q int8 [rows, in], d float32 "
+        "[rows, in / 32]), x ~ d q per block of 32",
+        py::arg("x"));
   m.def("gguf_gemm_packs", &gguf_gemm_packs,
         "whether this build repacks this GGUF type for bfloat16 rows from gguf_gemm_min_rows "
         "(AVX512-BF16, 32-weight formats)",
@@ -95,7 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "gguf_linear; its weights and caches checked once")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, bool,
                     std::vector<std::optional<at::Tensor>>, std::vector<int64_t>,
-                    std::vector<at::Tensor>, const std::vector<int64_t>&, bool, bool, bool,
+                    std::vector<at::Tensor>, const std::vector<int64_t>&, bool, bool, bool, bool,
                     int64_t, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double,
                     at::Tensor, double, at::Tensor>())

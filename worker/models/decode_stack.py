@@ -81,6 +81,7 @@ class DecodeStack:
         self.biases: list[torch.Tensor | None] = []
         gemv_rows: list[int] = []  # per projection: the rows its GEMV takes (0: none)
         fused_max_rows: list[int] = []  # per QuantLinear: the most rows it fuses
+        q8_activations: set[bool] = set()  # per QuantLinear: whether it quantizes its rows
         unused = torch.empty(0)
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # narrows ModuleList's item type
@@ -101,6 +102,7 @@ class DecodeStack:
             for linear in linears:
                 if isinstance(linear, QuantLinear):
                     fused_max_rows.append(linear.fused_max_rows)
+                    q8_activations.add(linear.q8_activations)
                     self.gguf_segments.append(len(linear.segments))
                     for s in linear.segments:
                         self.gguf_blocks.append(s.data)
@@ -122,6 +124,9 @@ class DecodeStack:
             self.biases += [linears[0].bias, linears[1].bias]
         # decode_layers takes one limit: the fewest rows any projection fuses.
         self.gguf_fused_max_rows = min(fused_max_rows, default=FUSED_MAX_ROWS)
+        # One choice for the whole model (quantize_linears makes it once).
+        assert len(q8_activations) <= 1, "every QuantLinear quantizes its rows or none does"
+        self.gguf_q8 = q8_activations == {True}
         # The most rows decode_rows takes: any where every projection is the GEMM's, as
         # many as every QuantLinear fuses where every projection is GGUF, else as many as
         # every projection's GEMV takes too.
@@ -209,6 +214,7 @@ class DecodeStack:
             self.biases,
             self.gguf_types,
             self.gguf_fused_max_rows,
+            self.gguf_q8,
             kv_caches,
             self.windows,
             meta.slot_mapping,
@@ -233,6 +239,7 @@ class DecodeStack:
                 self.raw_gguf_types,
                 self.raw_gguf_packed,
                 self.raw_gguf_segments,
+                self.gguf_q8,
                 self.gemma_norms,
                 self.qk_norms,
                 self.sandwich_norms,

@@ -37,6 +37,8 @@ FUSED_MAX_ROWS = 32
 # it keeps the weights exact (not rounded to bfloat16) for the same time; it lost at 256
 # (113-137 against 85-100).
 GEMM_MAX_ROWS = 128
+# With 8-bit activations every step's rows take gguf_linear's integer dots.
+Q8_MAX_ROWS = 1 << 62
 # Our fused projections and the checkpoint projections they are made of, in order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -64,8 +66,12 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         kernels: NativeKernels,
         bfloat16_rows: bool = False,
+        q8_activations: bool = False,
     ) -> None:
+        """``q8_activations``: every row count on ``gguf_linear``'s 8-bit activations
+        (llama.cpp's arithmetic), else the exact float paths below."""
         super().__init__()
+        self.q8_activations = q8_activations
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.type_names = [p.type_name for p in parts]
@@ -86,7 +92,10 @@ class QuantLinear(nn.Module):
             ]
         self.segments = segments
         gemm = bfloat16_rows and all(s.gemm is not None for s in segments)
-        self.fused_max_rows = GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS
+        # 8-bit activations: one kernel at every size (the quality measured is the one served)
+        self.fused_max_rows = (
+            Q8_MAX_ROWS if q8_activations else GEMM_MAX_ROWS if gemm else FUSED_MAX_ROWS
+        )
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
@@ -129,10 +138,14 @@ class QuantLinear(nn.Module):
                 # bfloat16 rounded once from the float32 product, in the kernel: a wide
                 # head's float32 product is a large fresh allocation every step
                 bf16 = x.dtype == torch.bfloat16
-                out = self.kernels.gguf_linear(rows, s.data, s.type, self.bias, s.gemm, bf16)
+                out = self.kernels.gguf_linear(
+                    rows, s.data, s.type, self.bias, s.gemm, bf16, self.q8_activations
+                )
             else:
                 outs = [
-                    self.kernels.gguf_linear(rows, s.data, s.type, None, s.gemm)
+                    self.kernels.gguf_linear(
+                        rows, s.data, s.type, None, s.gemm, False, self.q8_activations
+                    )
                     for s in self.segments
                 ]
                 out = torch.cat(outs, dim=1)
@@ -167,7 +180,11 @@ def _parts_of(module_name: str) -> list[str]:
 
 
 def quantize_linears(
-    model: nn.Module, gguf: GgufFile, kernels: NativeKernels, tied_embeddings: bool
+    model: nn.Module,
+    gguf: GgufFile,
+    kernels: NativeKernels,
+    tied_embeddings: bool,
+    q8_activations: bool = False,
 ) -> Counter[str]:
     """Replace every projection of ``model`` (loaded and fused) whose weights the GGUF
     holds as blocks by a ``QuantLinear``; returns how many of each block type. Those it
@@ -192,6 +209,7 @@ def quantize_linears(
                     f"{list(child.weight.shape)}"
                 )
             bfloat16_rows = child.weight.dtype == torch.bfloat16
-            setattr(parent, child_name, QuantLinear(weights, child.bias, kernels, bfloat16_rows))
+            linear = QuantLinear(weights, child.bias, kernels, bfloat16_rows, q8_activations)
+            setattr(parent, child_name, linear)
             counts.update(w.type_name for w in weights)
     return counts

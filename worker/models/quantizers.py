@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from common.config import Quantization
+from common.config import GgufActivations, Quantization
 from common.model_files import gguf_source, resolve_model_dir
 from worker.models import smooth_quant
 from worker.models.base import CausalLM
@@ -24,6 +24,7 @@ from worker.ops import NativeOps, Ops
 from worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
+GGUF_Q4_1 = 3  # ggml's type id: gguf_has_bf16_rows' answer for it is the CPU's
 
 
 class WeightQuantizer(Protocol):
@@ -56,9 +57,11 @@ def _native_ops(flag: str, ops: Ops | None, tp: TensorParallel, device: torch.de
 
 @dataclass(frozen=True)
 class GgufBlocks:
-    """The projections a GGUF file of these weights holds quantized, kept in its blocks."""
+    """The projections a GGUF file of these weights holds quantized, kept in its blocks;
+    ``activations``: how their inputs are multiplied (``--gguf-activations``)."""
 
     path: Path
+    activations: GgufActivations = "auto"
     flag: str = "gguf"
 
     def apply(
@@ -78,15 +81,27 @@ class GgufBlocks:
             num_kv_heads=int(config.get("num_key_value_heads", heads)),
         )
         tied = "lm_head.weight" in model.tied_weights
-        counts = quantize_linears(model, gguf, native.kernels, tied)
+        q8 = q8_activations(self.activations, native)
+        counts = quantize_linears(model, gguf, native.kernels, tied, q8)
         if not counts:
             raise ValueError(f"{self.path} holds no quantized projection of this model")
         logger.info(
-            "kept %d projection weights quantized from %s (%s)",
+            "kept %d projection weights quantized from %s (%s), %s activations",
             sum(counts.values()),
             self.path.name,
             ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
+            "8-bit" if q8 else "float",
         )
+
+
+def q8_activations(activations: GgufActivations, native: NativeOps) -> bool:
+    """``--gguf-activations``: ``auto`` is 8-bit activations where the CPU has no bfloat16
+    dot product (AVX2 hosts: a SmolLM2 Q4_1 step measured faster so, docs/benchmarks.md),
+    and float where it has AVX512-BF16: there the exact bfloat16-row kernels were the ones
+    measured against llama.cpp, and stay until q8 is measured on such a host."""
+    if activations == "auto":
+        return not native.kernels.gguf_has_bf16_rows(GGUF_Q4_1, 1)
+    return activations == "q8"
 
 
 @dataclass(frozen=True)
@@ -116,10 +131,12 @@ class Int8PerChannel:
         logger.info("quantized %d projections to int8 per channel (W8A8 on %s)", count, isa)
 
 
-def quantizer_for(quantization: Quantization, model: str) -> WeightQuantizer | None:
+def quantizer_for(
+    quantization: Quantization, model: str, gguf_activations: GgufActivations = "auto"
+) -> WeightQuantizer | None:
     """The quantizer ``--quantization`` names for ``--model`` (None: weights as loaded)."""
     if quantization == "gguf":
-        return GgufBlocks(gguf_source(model))
+        return GgufBlocks(gguf_source(model), gguf_activations)
     if quantization == "int8":
         return Int8PerChannel(resolve_model_dir(model))
     return None
