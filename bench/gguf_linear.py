@@ -8,8 +8,9 @@ q/k/v, o, fused gate/up, down per layer, then the LM head) is timed over real we
 one pass reading them all from memory as a decode step does. Quantized projections are
 timed both ways the layer can run them: the fused kernels (the file's blocks, or from
 ``gguf_gemm_min_rows`` the GEMM over their repacked copy) and a dense matmul over the
-weight dequantized for the call. The kinds alternate pass by pass; each cell is the
-median. It decides ``FUSED_MAX_ROWS`` and ``GEMM_MAX_ROWS``
+weight dequantized for the call; and the fused kernels on 8-bit activations
+(``--gguf-activations q8``: the rows quantized per block of 32, integer dots). The kinds
+alternate pass by pass; each cell is the median. It decides ``FUSED_MAX_ROWS`` and ``GEMM_MAX_ROWS``
 (``worker/models/quant_linear.py``).
 Writes ``bench/results/gguf_linear-MODEL.json``.
 
@@ -63,10 +64,17 @@ def time_rows(
             [m.kernels.gguf_linear(x, s.data, s.type, None, s.gemm) for s in m.segments], 1
         ).to(x.dtype)
 
+    def q8(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        # the same rows quantized to 8 bits per block of 32 (--gguf-activations q8)
+        return torch.cat(
+            [m.kernels.gguf_linear(x, s.data, s.type, None, None, False, True) for s in m.segments],
+            1,
+        ).to(x.dtype)
+
     def dequantized(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, m.dequantized(x.dtype))
 
-    kinds = {"bf16": bf16, "fused": run(fused), "dequant": run(dequantized)}
+    kinds = {"bf16": bf16, "fused": run(fused), "q8": run(q8), "dequant": run(dequantized)}
     medians = median_ms_interleaved(kinds, passes)
     return {"rows": rows, **{f"{k}_ms": ms for k, ms in medians.items()}}
 
@@ -98,14 +106,24 @@ def main(argv: list[str] | None = None) -> None:
         f"{floors['gguf']:.2f} / {floors['bf16']:.2f} ms"
     )
     print_table(
-        ["rows", "bf16 ms", "gguf fused ms", "gguf dequant+matmul ms", "best gguf / bf16"],
+        [
+            "rows",
+            "bf16 ms",
+            "gguf fused ms",
+            "gguf q8 ms",
+            "gguf dequant+matmul ms",
+            "best float gguf / bf16",
+            "q8 / best float gguf",
+        ],
         [
             [
                 r["rows"],
                 f"{r['bf16_ms']:.2f}",
                 f"{r['fused_ms']:.2f}",
+                f"{r['q8_ms']:.2f}",
                 f"{r['dequant_ms']:.2f}",
                 f"{min(r['fused_ms'], r['dequant_ms']) / r['bf16_ms']:.2f}x",
+                f"{r['q8_ms'] / min(r['fused_ms'], r['dequant_ms']):.2f}x",
             ]
             for r in results
         ],

@@ -8,9 +8,12 @@ KL(float32 || mode), and top-1 agreement (the share of positions whose argmax is
 The text is ``bench/data/genesis-kjv.txt`` (Genesis 1-30, King James Version: public
 domain; ~27k tokens for either embedded model), cut into windows of ``--context`` tokens,
 each scored from its second token. Modes: ``int8`` (W8A8, ``--quantization int8``) and
-``int8-plain`` (the same without SmoothQuant's rescaling) and ``gguf`` (the file's blocks with float activations, ``--quantization gguf``), each in
-float32 activations, so the figure is the weights' and activations' quantization alone.
-Bounds (issue #68): int8 perplexity ratio <= 1.03 and top-1 agreement >= 95%. Writes
+``int8-plain`` (the same without SmoothQuant's rescaling), ``gguf`` (the file's blocks,
+float activations: ``--quantization gguf --gguf-activations float``) and ``gguf-q8`` (the
+same blocks, activations quantized to 8 bits per block of 32: ``--gguf-activations q8``),
+each on a float32 model, so the figure is the weights' and activations' quantization
+alone. Bounds (issue #68): int8 perplexity ratio <= 1.03 and top-1 agreement >= 95%;
+gguf-q8 perplexity within 1% of gguf's (where both run). Writes
 ``bench/results/quality-NAME.json``.
 """
 
@@ -36,6 +39,7 @@ from worker.ops import NativeOps
 TEXT = Path(__file__).parent / "data" / "genesis-kjv.txt"
 BLOCK = 16
 BOUNDS = {"int8": (1.03, 0.95)}  # (perplexity ratio at most, top-1 agreement at least)
+Q8_OVER_FLOAT_GGUF = 1.01  # gguf-q8's perplexity over gguf's, at most
 
 
 def quantizer(mode: str, model: str) -> WeightQuantizer | None:
@@ -44,10 +48,12 @@ def quantizer(mode: str, model: str) -> WeightQuantizer | None:
     if mode == "int8-plain":  # without SmoothQuant's rescaling
         return Int8PerChannel(resolve_model_dir(model), smooth=False)
     if mode == "gguf":
-        return GgufBlocks(gguf_source(model))
+        return GgufBlocks(gguf_source(model), "float")
+    if mode == "gguf-q8":
+        return GgufBlocks(gguf_source(model), "q8")
     if mode == "float32":
         return None
-    raise ValueError(f"unknown mode {mode!r}: float32, int8 or gguf")
+    raise ValueError(f"unknown mode {mode!r}: float32, int8, int8-plain, gguf or gguf-q8")
 
 
 @torch.inference_mode()
@@ -126,10 +132,17 @@ def evaluate(model_name: str, modes: list[str], context: int) -> list[dict[str, 
                 "top1": score.agree / score.count,
             }
         )
+    by_mode = {str(r["mode"]): r for r in rows}
+    if "gguf" in by_mode and "gguf-q8" in by_mode:  # the 8-bit activations' own cost
+        q8, exact = by_mode["gguf-q8"], by_mode["gguf"]
+        q8["ppl_over_gguf"] = float(str(q8["perplexity"])) / float(str(exact["perplexity"]))
     return rows
 
 
 def verdict(row: dict[str, object]) -> str:
+    if "ppl_over_gguf" in row:
+        over = float(str(row["ppl_over_gguf"]))
+        return f"{over:.4f}x gguf's: {'met' if over <= Q8_OVER_FLOAT_GGUF else 'NOT met'}"
     bound = BOUNDS.get(str(row["mode"]))
     if bound is None:
         return "-"
@@ -140,7 +153,7 @@ def verdict(row: dict[str, object]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__)
     p.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
-    p.add_argument("--modes", nargs="+", default=["int8", "int8-plain", "gguf"])
+    p.add_argument("--modes", nargs="+", default=["int8", "int8-plain", "gguf", "gguf-q8"])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--name", default="quality")
     args = p.parse_args(argv)

@@ -11,7 +11,9 @@ Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching (async scheduling: the next step planned while the worker runs this one)
   tandem-sync       tandem serve --no-async-scheduling (the worker waits for the engine between steps)
   tandem-static     tandem serve --batching static
-  tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped)
+  tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped;
+                    --gguf-activations auto: 8-bit activations on CPUs without AVX512-BF16)
+  tandem-gguf-float the same with --gguf-activations float (exact)
   tandem-int8       tandem serve --quantization int8 (W8A8: int8 weights per channel, activations per token)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
   tandem-split-tcp  the same, KV streamed over TCP
@@ -58,6 +60,7 @@ SYSTEMS = (
     "tandem-sync",
     "tandem-static",
     "tandem-gguf",
+    "tandem-gguf-float",
     "tandem-int8",
     "tandem-split",
     "tandem-split-tcp",
@@ -69,8 +72,12 @@ SYSTEMS = (
     "hf-static",
     "hf-continuous",
 )
-# The Tandem systems with quantized projections, and their --quantization
-QUANTIZED = {"tandem-gguf": "gguf", "tandem-int8": "int8"}
+# The Tandem systems with quantized projections, and their flags
+QUANTIZED = {
+    "tandem-gguf": ("--quantization", "gguf"),
+    "tandem-gguf-float": ("--quantization", "gguf", "--gguf-activations", "float"),
+    "tandem-int8": ("--quantization", "int8"),
+}
 Runner = Callable[[list[BenchRequest], int], tuple[list[RequestResult], float]]
 
 
@@ -184,7 +191,7 @@ class Systems:
             if system == "tandem-sync":
                 flags += ("--no-async-scheduling",)
             if system in QUANTIZED:
-                flags += ("--quantization", QUANTIZED[system])
+                flags += QUANTIZED[system]
             if system in SPLIT:
                 flags += ("--prefill-workers", "1", "--decode-workers", "1")
                 flags += ("--kv-transfer", SPLIT[system])

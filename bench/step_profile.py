@@ -26,7 +26,8 @@ sockets), every sequence with a 128-token context. One step is split into:
 The profiled shares are applied to the unprofiled step time (the profiler's own overhead
 is not charged to any part). Writes ``bench/results/step_profile-MODEL-DTYPE.json``.
 
-    .venv/bin/python -m bench.step_profile [--batches 1 8 32] [--steps 30] [--name NAME]
+    .venv/bin/python -m bench.step_profile [--quantization gguf] [--gguf-activations q8]
+        [--batches 1 8 32] [--steps 30] [--name NAME]
 """
 
 from __future__ import annotations
@@ -51,7 +52,15 @@ from api_server.detokenizer import IncrementalDetokenizer
 from bench.floor import Machine, bandwidth_gb_s, matmul_tflops, model_cost
 from bench.fused_phases import FusedLabel, layer_projection_params, phase_rates, run_timing_phases
 from bench.harness import print_table, write_results
-from common.config import CacheConfig, SchedulerConfig, TandemConfig
+from common.config import (
+    GGUF_ACTIVATIONS,
+    QUANTIZATIONS,
+    CacheConfig,
+    GgufActivations,
+    Quantization,
+    SchedulerConfig,
+    TandemConfig,
+)
 from common.ipc import Codec
 from common.messages import (
     EngineOutputs,
@@ -69,6 +78,7 @@ from worker.device import resolve_dtype
 from worker.model_runner import ModelRunner
 from worker.models.decoder import DecoderLM
 from worker.models.packed_linear import ONEDNN, PackedLinear
+from worker.models.quantizers import quantizer_for
 
 CONTEXT = 128
 PARTS = (
@@ -204,11 +214,21 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 class Setup:
-    def __init__(self, model: str, dtype: torch.dtype, max_batch: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: torch.dtype,
+        max_batch: int,
+        quantization: Quantization,
+        gguf_activations: GgufActivations,
+    ) -> None:
         model_dir = resolve_model_dir(model)
         blocks = max_batch * ((CONTEXT + 512) // 16 + 2)
         cache = CacheConfig(num_kv_blocks=blocks)
-        self.runner = ModelRunner(model_dir, dtype, torch.device("cpu"), cache, None)
+        quantizer = quantizer_for(quantization, model, gguf_activations)
+        self.runner = ModelRunner(
+            model_dir, dtype, torch.device("cpu"), cache, None, quantizer=quantizer
+        )
         label_ops(self.runner)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.config = TandemConfig(
@@ -321,12 +341,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    p.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="auto")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--name", default=None, help="results name (default: step_profile-MODEL-DTYPE)")
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    setup = Setup(args.model, dtype, max(args.batches))
+    setup = Setup(args.model, dtype, max(args.batches), args.quantization, args.gguf_activations)
     machine = Machine(bandwidth_gb_s()["read_gb_s"], matmul_tflops(dtype))
     cost = model_cost(args.model, dtype)
     with torch.inference_mode():
