@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -27,6 +27,21 @@ using namespace tandem::gguf;
 struct SubScales {
   float s_lo, s_hi, o_lo, o_hi;
 };
+
+// The two float16s at p and p + 2 (a block's d and m, or d and dmin): one conversion with
+// F16C (exact either way).
+inline void two_halves(const uint8_t* p, float* first, float* second) {
+#if defined(__F16C__)
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  *first = _mm_cvtss_f32(v);
+  *second = _mm_cvtss_f32(_mm_movehdup_ps(v));
+#else
+  *first = half_at(p);
+  *second = half_at(p + 2);
+#endif
+}
 
 template <typename F>
 struct Reader;
@@ -54,8 +69,13 @@ struct Reader<Q4<kHasMin>> {
   static constexpr int kSubBlocks = 1;
   static constexpr bool kSigned = false, kTwoScales = false;
   static SubScales scales(const uint8_t* b, int) {
-    const float d = half_at(b), o = kHasMin ? half_at(b + 2) : -8.0f * d;
-    return {d, d, o, o};
+    if constexpr (kHasMin) {
+      float d, m;
+      two_halves(b, &d, &m);
+      return {d, d, m, m};
+    }
+    const float d = half_at(b);
+    return {d, d, -8.0f * d, -8.0f * d};
   }
   static void quants(const uint8_t* b, int, uint8_t* q) {
     const uint8_t* qs = b + (kHasMin ? 4 : 2);
@@ -74,8 +94,13 @@ struct Reader<Q5<kHasMin>> {
   static constexpr int kSubBlocks = 1;
   static constexpr bool kSigned = false, kTwoScales = false;
   static SubScales scales(const uint8_t* b, int) {
-    const float d = half_at(b), o = kHasMin ? half_at(b + 2) : -16.0f * d;
-    return {d, d, o, o};
+    if constexpr (kHasMin) {
+      float d, m;
+      two_halves(b, &d, &m);
+      return {d, d, m, m};
+    }
+    const float d = half_at(b);
+    return {d, d, -16.0f * d, -16.0f * d};
   }
   static void quants(const uint8_t* b, int, uint8_t* q) {
     const uint8_t* p = b + (kHasMin ? 4 : 2);
@@ -120,8 +145,9 @@ struct Reader<QK45<kFiveBits>> {
   static SubScales scales(const uint8_t* b, int g) {
     int sc, mn;
     scale_min_k4(g, b + 4, &sc, &mn);
-    const float s = half_at(b) * static_cast<float>(sc);
-    const float o = -(half_at(b + 2) * static_cast<float>(mn));
+    float d, dmin;
+    two_halves(b, &d, &dmin);
+    const float s = d * static_cast<float>(sc), o = -(dmin * static_cast<float>(mn));
     return {s, s, o, o};
   }
   static void quants(const uint8_t* b, int g, uint8_t* q) {
