@@ -36,6 +36,7 @@ from common.messages import (
     FinishReason,
     KVTransferStats,
     ModelInfo,
+    PoolRole,
     RequestOutput,
     ResetPrefixCache,
     SchedulerStats,
@@ -64,7 +65,7 @@ class EngineClient:
         self.ready = False
         self.stats = SchedulerStats()
         self.model: ModelInfo | None = None
-        self.role = "unified"
+        self.role = str(PoolRole.UNIFIED)  # until the first heartbeat says
         self.pools: dict[str, SchedulerStats] = {}  # split pools: each pool's figures
         self.kv_transfers: KVTransferStats | None = None
         self.dead_reason: str | None = None

@@ -240,7 +240,7 @@ class Setup:
         """An engine whose ``batch`` requests are past their prompts: every step decodes."""
         self.runner.requests.clear()
         pool = InlinePool(self.runner)
-        core = EngineCore(self.config, {"unified": pool})
+        core = EngineCore(self.config, {PoolRole.UNIFIED: pool})
         core.start()
         greedy = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         for i in range(batch):

@@ -3,14 +3,36 @@ hand KV over; their tensor-parallel ranks, threads and addresses (``docs/disaggr
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 from common.config_checks import require
+from common.messages import PoolRole
 
 KVTransfer = Literal["shm", "tcp"]
 KVLoadFailurePolicy = Literal["fail", "recompute"]
+
+
+class KVMode(enum.Enum):
+    """How a request's KV reaches the decode pool: decided once, from the flags."""
+
+    NONE = "none"  # one unified pool: nothing is handed off
+    SHARED = "shared"  # shm, pools of equal widths: one block pool both map, zero-copy
+    SHM_COPY = "shm-copy"  # shm, different widths: decode ranks copy out of prefill segments
+    TCP = "tcp"  # separate memories: the prefill side streams, the decode side lands
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool as the engine starts it: its role, tensor-parallel ranks, worker
+    processes and the address its workers connect to (empty: the engine picks one)."""
+
+    role: PoolRole
+    tp: int
+    workers: int  # processes: its ranks, or (TP 1) its replicas
+    address: str
 
 
 @dataclass(frozen=True)
@@ -73,8 +95,8 @@ class DisaggConfig:
             "--prefill-tp and --decode-tp",
         )
         for pool, tp, workers in (
-            ("prefill", self.prefill_tp, self.prefill_workers),
-            ("decode", self.decode_tp, self.decode_workers),
+            (PoolRole.PREFILL, self.prefill_tp, self.prefill_workers),
+            (PoolRole.DECODE, self.decode_tp, self.decode_workers),
         ):
             require(tp >= 1, f"--{pool}-tp must be at least 1, got {tp}")
             require(tp == 1 or self.split, f"--{pool}-tp needs split pools (--{pool}-workers 1)")
@@ -99,13 +121,18 @@ class DisaggConfig:
     def split(self) -> bool:
         return self.prefill_workers > 0
 
-    def tp_size(self, pool: str) -> int:
-        """Tensor-parallel ranks of one pool (1: its workers each hold the whole model)."""
-        return {
-            "unified": self.tensor_parallel_size,
-            "prefill": self.prefill_tp,
-            "decode": self.decode_tp,
-        }[pool]
+    @property
+    def kv_mode(self) -> KVMode:
+        if not self.split:
+            return KVMode.NONE
+        if self.kv_transfer == "tcp":
+            return KVMode.TCP
+        return KVMode.SHM_COPY if self.reshards else KVMode.SHARED
+
+    @property
+    def service_role(self) -> str:
+        """This engine's part in the service as the heartbeat names it."""
+        return "split" if self.split else "unified"
 
     @property
     def reshards(self) -> bool:
@@ -113,14 +140,36 @@ class DisaggConfig:
         so the hand-off copies and re-shards (even with ``shm``)."""
         return self.split and self.prefill_tp != self.decode_tp
 
-    def num_workers(self, pool: str) -> int:
-        """Worker processes of one pool: its ranks, or (TP 1) its workers."""
-        if self.tp_size(pool) > 1:
-            return self.tp_size(pool)
-        return {"unified": 1, "prefill": self.prefill_workers, "decode": self.decode_workers}[pool]
+    def pool_specs(self) -> tuple[PoolSpec, ...]:
+        """The pools, prefill before decode (a new prompt's first pool comes first)."""
+        if not self.split:
+            tp = self.tensor_parallel_size
+            return (PoolSpec(PoolRole.UNIFIED, tp, tp, self.unified_pool_address),)
+        return (
+            PoolSpec(
+                PoolRole.PREFILL,
+                self.prefill_tp,
+                self.prefill_tp if self.prefill_tp > 1 else self.prefill_workers,
+                self.prefill_pool_address,
+            ),
+            PoolSpec(
+                PoolRole.DECODE,
+                self.decode_tp,
+                self.decode_tp if self.decode_tp > 1 else self.decode_workers,
+                self.decode_pool_address,
+            ),
+        )
 
-    def pools(self) -> tuple[str, ...]:
-        return ("prefill", "decode") if self.split else ("unified",)
+    def spec(self, role: PoolRole) -> PoolSpec:
+        return next(s for s in self.pool_specs() if s.role == role)
+
+    def tp_size(self, role: PoolRole) -> int:
+        """Tensor-parallel ranks of one pool (1: its workers each hold the whole model)."""
+        return self.spec(role).tp
+
+    def num_workers(self, role: PoolRole) -> int:
+        """Worker processes of one pool: its ranks, or (TP 1) its workers."""
+        return self.spec(role).workers
 
     def threads_per_worker(self) -> int:
         """``--worker-threads``, else this machine's cores shared by the worker processes
@@ -128,5 +177,5 @@ class DisaggConfig:
         worker started by its own command (a container) takes its own."""
         if self.worker_threads is not None:
             return self.worker_threads
-        workers = sum(self.num_workers(p) for p in self.pools())  # per rank: cores / ranks
+        workers = sum(s.workers for s in self.pool_specs())  # per rank: cores / ranks
         return max(1, (os.cpu_count() or 1) // workers)

@@ -44,6 +44,7 @@ from common.messages import (
     WorkerMessage,
     WorkerReady,
 )
+from common.pool_config import PoolSpec
 from common.process import start_module, worker_env
 from common.silence import Silence
 
@@ -79,14 +80,12 @@ class PoolEvents:
 
 
 class WorkerPool:
-    def __init__(
-        self, role: PoolRole, config: TandemConfig, runtime_dir: str, num_workers: int = 1
-    ) -> None:
-        self.role = role
-        self.name = str(role)
+    def __init__(self, spec: PoolSpec, config: TandemConfig, runtime_dir: str) -> None:
+        self.role = spec.role
+        self.name = str(spec.role)
+        num_workers = spec.workers
         self._ctx = zmq.Context()
-        configured = getattr(config.disagg, f"{self.name}_pool_address")
-        self.address = configured or ipc_address(runtime_dir, f"pool-{self.name}")
+        self.address = spec.address or ipc_address(runtime_dir, f"pool-{self.name}")
         # With --curve-keys the pool's socket is a Curve server like the engine's own:
         # only workers holding the deployment's client key get a step (or send one back).
         keys = CurveKeys(config.addresses.curve_keys) if config.addresses.curve_keys else None
@@ -109,9 +108,7 @@ class WorkerPool:
         self._results: dict[int, dict[bytes, ModelRunnerOutput]] = {}
         # Tensor parallelism: ranks > 0 do not sample; they learn rank 0's tokens here
         # (with async scheduling, from rank 0 itself: the next step leaves too early).
-        self._relays_samples = (
-            config.disagg.tp_size(self.name) > 1 and not config.scheduler.async_scheduling
-        )
+        self._relays_samples = spec.tp > 1 and not config.scheduler.async_scheduling
         self.kv_addresses: list[str] = []  # per rank, where a decode worker takes KV (tcp)
         self._threads: dict[bytes, int] = {}  # per rank, the CPU threads of its latest step
         self._last_sampled: dict[str, int] = {}

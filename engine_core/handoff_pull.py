@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 from common.messages import KVReceive, ModelRunnerOutput
 from common.pool_config import KVLoadFailurePolicy
-from engine_core.handoff import ClientOutputs, Orders, TcpHandoff, Transfer
+from engine_core.handoff import HandoffStats, Orders
+from engine_core.handoff_tcp import TcpHandoff, Transfer
 from engine_core.kv_cache import KVCacheManager
-from engine_core.scheduler import Scheduler
+from engine_core.scheduler import ClientOutputs, Scheduler
 
 
 class ShmCopyHandoff(TcpHandoff):
@@ -38,10 +39,11 @@ class ShmCopyHandoff(TcpHandoff):
         lease_s: float,
         policy: KVLoadFailurePolicy,
         bytes_per_block: int,
+        stats: HandoffStats,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # Nothing is streamed, so no destinations: the decode ranks copy for themselves.
-        super().__init__(prefill_kv, decode, [], lease_s, policy, bytes_per_block, clock)
+        super().__init__(prefill_kv, decode, [], lease_s, policy, bytes_per_block, stats, clock)
         self._num_decode_ranks = num_decode_ranks
         self._reading: set[str] = set()  # transfers the decode step in flight copies
         self._held: list[str] = []  # prefill blocks kept until that step is over
@@ -51,7 +53,7 @@ class ShmCopyHandoff(TcpHandoff):
         return self._num_decode_ranks
 
     def _order(self, transfer: Transfer) -> None:
-        self._orders["decode"].receives.append(
+        self.decode_side.orders.receives.append(
             KVReceive(
                 transfer.transfer_id,
                 transfer.dst_blocks,
@@ -60,22 +62,18 @@ class ShmCopyHandoff(TcpHandoff):
             )
         )
 
-    def take_orders(self, pool: str) -> Orders:
-        orders = super().take_orders(pool)
-        if pool == "decode" and orders.receives:
+    def _decode_orders_taken(self, orders: Orders) -> None:
+        if orders.receives:
             self._reading = {r.transfer_id for r in orders.receives}
-        return orders
 
-    def on_step_done(self, pool: str, result: ModelRunnerOutput) -> ClientOutputs:
-        if pool == "decode":
-            self._reading = set()
-            for key in self._held:
-                self.prefill_kv.free(key)  # the step that read them is over
-            self._held = []
-        return super().on_step_done(pool, result)
+    def _decode_step_done(self, result: ModelRunnerOutput) -> ClientOutputs:
+        self._reading = set()
+        for key in self._held:
+            self.prefill_kv.free(key)  # the step that read them is over
+        self._held = []
+        return super()._decode_step_done(result)
 
     def _free_prefill_side(self, transfer: Transfer) -> None:
-        queued = self._orders["decode"].receives
         if transfer.transfer_id in self._reading:
             # A decode rank may be copying these blocks right now: hold them (under a
             # key no request can use) until its step is over.
@@ -84,9 +82,8 @@ class ShmCopyHandoff(TcpHandoff):
             self._held.append(key)
             return
         # Not yet ordered: it never will be.
-        self._orders["decode"].receives = [
-            r for r in queued if r.transfer_id != transfer.transfer_id
-        ]
+        queued = self.decode_side.orders
+        queued.receives = [r for r in queued.receives if r.transfer_id != transfer.transfer_id]
         self.prefill_kv.free(transfer.request.request_id)
 
 

@@ -66,7 +66,9 @@ class EngineCoreProc:
         self._outputs: queue.Queue[tuple[bytes, EngineOutputs | EngineDead]] = queue.Queue()
         self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set by begin_drain
-        self._heartbeat = EngineHeartbeat(False, SchedulerStats(), role=self._role())
+        self._heartbeat = EngineHeartbeat(
+            False, SchedulerStats(), role=self.config.disagg.service_role
+        )
         self.num_malformed_frames = 0
         self.num_dropped_connections = 0
         self._ctx = zmq.Context()
@@ -97,19 +99,14 @@ class EngineCoreProc:
         ]
         for thread in self._threads:
             thread.start()
-        self.pools: dict[str, WorkerPool] = {}
-        for name in config.disagg.pools():
-            self.pools[name] = WorkerPool(
-                PoolRole[name.upper()], config, runtime_dir, config.disagg.num_workers(name)
-            )
+        self.pools: dict[PoolRole, WorkerPool] = {
+            spec.role: WorkerPool(spec, config, runtime_dir) for spec in config.disagg.pool_specs()
+        }
         self.core = EngineCore(config, self.pools)
         self._poller = zmq.Poller()
         self._poller.register(self._wake, zmq.POLLIN)
         for pool in self.pools.values():
             self._poller.register(pool.sock, zmq.POLLIN)
-
-    def _role(self) -> str:
-        return "split" if self.config.disagg.split else "unified"
 
     @property
     def ready(self) -> bool:
@@ -122,8 +119,10 @@ class EngineCoreProc:
         self.core.start()
         freeze_startup_heap()
         self._publish()
-        managers = {s.name: s.scheduler.kv.num_blocks for s in self.core.slots.values()}
-        logger.info("engine ready (%s): KV blocks per pool %s", self._role(), managers)
+        managers = {str(r): s.scheduler.kv.num_blocks for r, s in self.core.slots.items()}
+        logger.info(
+            "engine ready (%s): KV blocks per pool %s", self.config.disagg.service_role, managers
+        )
         while not self._stop.is_set():
             self._apply_inputs()
             result = self.core.step()
@@ -221,8 +220,10 @@ class EngineCoreProc:
             core.ready,
             stats,
             core.model,
-            self._role(),
-            core.pool_stats() if self.config.disagg.split else {},
+            self.config.disagg.service_role,
+            {str(role): s for role, s in core.pool_stats().items()}
+            if self.config.disagg.split
+            else {},
             core.transfer_stats(),
         )
         return stats

@@ -14,18 +14,29 @@ Every such choice is counted (``kv_transfers_total{outcome="local_prefill"}``).
 
 from __future__ import annotations
 
-from common.pool_config import DisaggConfig
+from common.pool_config import DisaggConfig, KVMode
+from engine_core.handoff import HandoffStats
 from engine_core.kv_cache import extend_block_hashes
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
 
 
 class Router:
-    def __init__(self, prefill: Scheduler, decode: Scheduler, config: DisaggConfig) -> None:
+    def __init__(
+        self, prefill: Scheduler, decode: Scheduler, config: DisaggConfig, stats: HandoffStats
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.threshold = config.disagg_min_prompt_tokens
-        self.shared_kv = config.kv_transfer == "shm"
+        self.shared_kv = config.kv_mode is not KVMode.TCP
+        self.stats = stats
+
+    def place(self, request: Request) -> Scheduler:
+        """The prefill pool, or the decode pool for a short uncached prompt (counted)."""
+        if not self.prefill_locally(request):
+            return self.prefill
+        self.stats.ended("local_prefill")
+        return self.decode
 
     def uncached_tokens(self, request: Request) -> int:
         """Prompt tokens the decode pool would have to compute for this request."""

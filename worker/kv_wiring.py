@@ -16,56 +16,66 @@ import zmq
 from common.config import TandemConfig
 from common.curve import CurveKeys
 from common.messages import PoolRole
-from common.pool_config import DisaggConfig
+from common.pool_config import DisaggConfig, KVMode
 from common.shm import segment_name
 from worker.kv_reshard import KVLayout, KVPuller, prefill_segment, shared_segment
 from worker.kv_transfer import KVReceiver, KVSender, Reshard
+from worker.kv_transport import (
+    KVTransport,
+    NoTransport,
+    PullTransport,
+    ReceiveTransport,
+    SendTransport,
+)
 from worker.model_runner import ModelRunner
 
 
 def kv_segment(disagg: DisaggConfig, pool: PoolRole, rank: int) -> str | None:
     """The shared-memory segment this worker's KV caches live in, or None (local)."""
-    if not disagg.split or disagg.kv_transfer != "shm":
-        return None
-    if not disagg.reshards:
-        return segment_name(disagg.service_id, shared_segment(rank, disagg.tp_size(str(pool))))
-    if pool == PoolRole.PREFILL:
+    mode = disagg.kv_mode
+    if mode is KVMode.SHARED:
+        return segment_name(disagg.service_id, shared_segment(rank, disagg.tp_size(pool)))
+    if mode is KVMode.SHM_COPY and pool == PoolRole.PREFILL:
         return segment_name(disagg.service_id, prefill_segment(rank))
-    return None  # the decode side copies into its own memory
+    return None  # local memory (the decode side of SHM_COPY copies into its own)
 
 
-def layout(runner: ModelRunner, disagg: DisaggConfig, pool: str) -> KVLayout:
+def layout(runner: ModelRunner, disagg: DisaggConfig, pool: PoolRole) -> KVLayout:
     num_heads, num_kv_heads, head_dim = runner.model.attention_shape()
     return KVLayout(num_heads, num_kv_heads, head_dim, disagg.tp_size(pool))
 
 
-def attach_kv_transport(
+def kv_transport(
     runner: ModelRunner,
     config: TandemConfig,
     pool: PoolRole,
     ctx: zmq.Context[Any],
     keys: CurveKeys | None,
-) -> None:
+) -> KVTransport:
+    """This worker's end of the hand-off, by the KV mode and its pool's role."""
     disagg = config.disagg
-    if not disagg.split or pool == PoolRole.UNIFIED:
-        return
-    if disagg.kv_transfer == "shm":
-        if disagg.reshards and pool == PoolRole.DECODE:
-            mine = layout(runner, disagg, "decode").heads(runner.tp.rank)
-            source = layout(runner, disagg, "prefill")
-            puller = KVPuller(disagg.service_id, source, mine, runner.kv_caches, runner.block_size)
-            runner.attach_transfer(puller=puller)
-        return
+    mode = disagg.kv_mode
+    if mode is KVMode.SHM_COPY and pool == PoolRole.DECODE:
+        mine = layout(runner, disagg, PoolRole.DECODE).heads(runner.tp.rank)
+        source = layout(runner, disagg, PoolRole.PREFILL)
+        return PullTransport(
+            KVPuller(disagg.service_id, source, mine, runner.kv_caches, runner.block_size)
+        )
+    if mode is not KVMode.TCP:
+        return NoTransport()
     if pool == PoolRole.PREFILL:
         tensor_parallel = disagg.prefill_tp > 1 or disagg.decode_tp > 1
         reshard = (
-            Reshard(runner.tp, layout(runner, disagg, "prefill"), layout(runner, disagg, "decode"))
+            Reshard(
+                runner.tp,
+                layout(runner, disagg, PoolRole.PREFILL),
+                layout(runner, disagg, PoolRole.DECODE),
+            )
             if tensor_parallel
             else None
         )
         secure = keys.make_client if keys else None
-        runner.attach_transfer(sender=KVSender(ctx, runner.block_size, secure, reshard))
-        return
+        return SendTransport(KVSender(ctx, runner.block_size, secure, reshard))
     receiver = KVReceiver(
         ctx,
         runner.kv_caches,
@@ -73,4 +83,4 @@ def attach_kv_transport(
         disagg.kv_transfer_host,
         keys.make_server if keys else None,
     )
-    runner.attach_transfer(receiver=receiver)
+    return ReceiveTransport(receiver)

@@ -29,8 +29,7 @@ from common.messages import (
 )
 from worker.attention import build_metadata
 from worker.kv_memory import SharedCaches, local_caches
-from worker.kv_reshard import KVPuller
-from worker.kv_transfer import KVReceiver, KVSender
+from worker.kv_transport import KVTransport, NoTransport
 from worker.models.loader import load_model, read_hf_config
 from worker.models.quantizers import WeightQuantizer
 from worker.ops import pick_ops
@@ -114,9 +113,7 @@ class ModelRunner:
         else:
             self.kv_caches = local_caches(layer_shape, self.model.num_layers, dtype, device)
         self.requests: dict[str, RequestState] = {}
-        self.kv_sender: KVSender | None = None
-        self.kv_receiver: KVReceiver | None = None
-        self.kv_puller: KVPuller | None = None
+        self.kv_transport: KVTransport = NoTransport()
         self.structured = StructuredOutputs(
             model_dir, self.model_info.vocab_size, self.model_info.eos_token_ids
         )
@@ -146,58 +143,21 @@ class ModelRunner:
             self.execute(step)
         self.requests.clear()
 
-    def attach_transfer(
-        self,
-        sender: KVSender | None = None,
-        receiver: KVReceiver | None = None,
-        puller: KVPuller | None = None,
-    ) -> None:
-        """Split pools over TCP: the prefill side sends its requests' KV, the decode side
-        takes it; over shm between pools of different widths the decode side pulls it."""
-        self.kv_sender, self.kv_receiver, self.kv_puller = sender, receiver, puller
-
-    def _transfer_orders(self, step: SchedulerOutput) -> list[str]:
-        """Apply the step's KV orders before its forward; returns the transfers copied."""
-        for transfer_id in step.kv_cancels:
-            if self.kv_receiver is not None:
-                self.kv_receiver.cancel(transfer_id)
-            if self.kv_sender is not None:
-                self.kv_sender.cancel(transfer_id)
-        for receive in step.kv_receives:
-            if self.kv_receiver is not None:
-                self.kv_receiver.expect(receive)
-            if self.kv_puller is not None:
-                self.kv_puller.pull(receive)
-        copied = []
-        if self.kv_sender is not None:
-            for send in step.kv_sends:
-                self.kv_sender.send(send, self.kv_caches)
-                copied.append(send.transfer_id)
-        return copied
+    def attach_transport(self, transport: KVTransport) -> None:
+        """Split pools: this worker's end of the KV hand-off (``kv_wiring.py``)."""
+        self.kv_transport = transport
 
     def close(self) -> None:
         """Stop the KV transfer threads (their sockets close with them)."""
-        if self.kv_sender is not None:
-            self.kv_sender.close()
-        if self.kv_receiver is not None:
-            self.kv_receiver.close()
-        if self.kv_puller is not None:
-            self.kv_puller.close()
+        self.kv_transport.close()
 
     def transfer_results(self) -> list[KVTransferResult]:
         """Transfers that ended on this side since the last call."""
-        results = []
-        if self.kv_receiver is not None:
-            results += self.kv_receiver.take_results()
-        if self.kv_sender is not None:
-            results += self.kv_sender.take_failures()
-        if self.kv_puller is not None:
-            results += self.kv_puller.take_results()
-        return results
+        return self.kv_transport.results()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        copied = self._transfer_orders(step)
+        copied = self.kv_transport.apply(step, self.kv_caches)
         output = self._execute(step)
         output.kv_copied = copied
         output.kv_results = self.transfer_results()

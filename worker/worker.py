@@ -131,14 +131,14 @@ def _build_runner(
     import torch
 
     from worker.device import pick_device, resolve_dtype
-    from worker.kv_wiring import attach_kv_transport, kv_segment
+    from worker.kv_wiring import kv_segment, kv_transport
     from worker.model_runner import ModelRunner
     from worker.parallel import init_group
 
     torch.set_num_threads(config.disagg.threads_per_worker())
     device = pick_device()
     dtype = resolve_dtype(config.model.dtype, device, config.model.attention_backend)
-    ranks = config.disagg.tp_size(str(pool))
+    ranks = config.disagg.tp_size(pool)
     if ranks > 1 and not tp_init_address:
         raise ValueError("tensor parallelism needs --tp-init-address (the engine sets it)")
     # With async scheduling the next step leaves the engine before this one's tokens
@@ -156,7 +156,7 @@ def _build_runner(
         tp,
         quantizer_for(config.model.quantization, config.model.model, config.model.gguf_activations),
     )
-    attach_kv_transport(runner, config, pool, ctx, keys)
+    runner.attach_transport(kv_transport(runner, config, pool, ctx, keys))
     runner.warm_up()
     logger.info("%s worker ready on %s (%d torch threads)", pool, device, torch.get_num_threads())
     return runner
@@ -216,14 +216,14 @@ def run_worker(
         # the freeze's collection has freed what only it could.
         freeze_startup_heap()
         release_free_memory()
-        receiver = runner.kv_receiver
+        transport = runner.kv_transport
         ready = WorkerReady(
             rank,
             runner.num_kv_blocks,
             runner.block_size,
             runner.model_info,
             pool,
-            receiver.address if receiver is not None else "",
+            transport.address,
             runner.bytes_per_block,
         )
         sock.send(codec.encode(ready))
@@ -231,7 +231,7 @@ def run_worker(
         poller.register(sock, zmq.POLLIN)
         if link is not None:
             poller.register(link.events, zmq.POLLIN)
-        if receiver is not None:
+        if transport.wakes_worker:
             from worker.kv_transfer import NOTIFY_ADDRESS
 
             notify = ctx.socket(zmq.PULL)
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--pool",
-        default="unified",
+        default=str(PoolRole.UNIFIED),
         choices=[str(role) for role in PoolRole],
         help="the pool this worker serves (default: %(default)s)",
     )

@@ -185,7 +185,7 @@ def engine(async_scheduling: bool, num_blocks: int = 64) -> tuple[EngineCore, Fa
         scheduler=SchedulerConfig(max_num_batched_tokens=16, async_scheduling=async_scheduling),
     )
     pool = FakePool(PoolRole.UNIFIED, num_blocks, step_polls=2, max_in_flight=2)
-    core = EngineCore(config, {"unified": pool}, ManualClock())
+    core = EngineCore(config, {PoolRole.UNIFIED: pool}, ManualClock())
     core.start()
     return core, pool
 
@@ -221,7 +221,7 @@ def test_engine_core_keeps_two_steps_in_flight_and_outputs_the_same(num_blocks: 
     preemptions = core.stats().num_preemptions_total
     assert (preemptions > 0) == (num_blocks == 9), preemptions
     assert len(pool.steps) < len(sync_pool.steps) + 4  # no step wasted on waiting
-    kv = core.slots["unified"].scheduler.kv
+    kv = core.slots[PoolRole.UNIFIED].scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks and not core.num_requests
     while core.has_work():  # the last finished ids reach the workers
         core.step()

@@ -6,6 +6,7 @@ import pytest
 
 from common.cli_args import parse_config
 from common.config import CacheConfig, EngineAddresses, ModelConfig, SchedulerConfig
+from common.messages import PoolRole
 
 
 def test_cli_round_trip() -> None:
@@ -89,7 +90,7 @@ def test_one_thread_flag_for_every_worker(capsys: pytest.CaptureFixture[str]) ->
 
 def test_tensor_parallel_size_makes_the_unified_pool_that_many_ranks() -> None:
     config = parse_config(["--model", "m", "--tensor-parallel-size", "2"]).disagg
-    assert config.num_workers("unified") == 2
+    assert config.num_workers(PoolRole.UNIFIED) == 2
     assert config.threads_per_worker() == max(1, (os.cpu_count() or 1) // 2)
     assert (
         parse_config(
@@ -105,12 +106,12 @@ def test_tensor_parallel_size_makes_the_unified_pool_that_many_ranks() -> None:
 def test_split_pools_take_a_width_each(capsys: pytest.CaptureFixture[str]) -> None:
     split = ["--model", "m", "--prefill-workers", "1", "--decode-workers", "1"]
     config = parse_config([*split, "--prefill-tp", "2"]).disagg
-    assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 1)
-    assert (config.num_workers("prefill"), config.num_workers("decode")) == (2, 1)
+    assert (config.tp_size(PoolRole.PREFILL), config.tp_size(PoolRole.DECODE)) == (2, 1)
+    assert (config.num_workers(PoolRole.PREFILL), config.num_workers(PoolRole.DECODE)) == (2, 1)
     assert config.reshards
     assert config.threads_per_worker() == max(1, (os.cpu_count() or 1) // 3)
     same = parse_config([*split, "--prefill-tp", "2", "--decode-tp", "2"]).disagg
-    assert not same.reshards and same.num_workers("decode") == 2
+    assert not same.reshards and same.num_workers(PoolRole.DECODE) == 2
     assert parse_config([*split, "--prefill-tp", "2"]).to_cli_args().count("--prefill-tp") == 1
     for bad, why in (
         (["--prefill-tp", "2"], "--prefill-tp needs split pools"),

@@ -75,7 +75,7 @@ def make(
         max_in_flight=2,
     )
     clock = ManualClock(1000.0)
-    core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)
+    core = EngineCore(config, {PoolRole.PREFILL: prefill, PoolRole.DECODE: decode}, clock)
     core.start()
     return core, prefill, decode, clock
 
@@ -115,8 +115,8 @@ def expected_tokens(request_id: str, prompt_len: int, n: int) -> list[int]:
 def assert_all_free(core: EngineCore) -> None:
     for slot in core.slots.values():
         kv = slot.scheduler.kv
-        assert kv.num_free_blocks == kv.num_blocks, slot.name
-        assert all(count == 0 for count in kv.ref_counts), slot.name
+        assert kv.num_free_blocks == kv.num_blocks, slot.role
+        assert all(count == 0 for count in kv.ref_counts), slot.role
         assert not kv.req_to_blocks and not slot.scheduler.requests
     assert not core.num_requests
 
@@ -136,7 +136,7 @@ def test_unified_pool_steps_submit_then_poll() -> None:
         scheduler=SchedulerConfig(async_scheduling=ASYNC_SCHEDULING),
     )
     pool = FakePool(PoolRole.UNIFIED, 16, step_polls=3, max_in_flight=2 if ASYNC_SCHEDULING else 1)
-    core = EngineCore(config, {"unified": pool})
+    core = EngineCore(config, {PoolRole.UNIFIED: pool})
     core.start()
     core.add_request(request("u", [5, 6, 7, 8, 9], max_tokens=3))
     first = core.step()
@@ -175,9 +175,9 @@ def test_stats_carry_each_pools_worker_threads_and_their_total() -> None:
     assert core.stats().num_worker_threads == 0  # no step has said yet
     prefill.num_threads, decode.num_threads = 1, 3
     per_pool = core.pool_stats()
-    assert {name: s.num_worker_threads for name, s in per_pool.items()} == {
-        "prefill": 1,
-        "decode": 3,
+    assert {role: s.num_worker_threads for role, s in per_pool.items()} == {
+        PoolRole.PREFILL: 1,
+        PoolRole.DECODE: 3,
     }
     assert core.stats().num_worker_threads == 4
 
@@ -315,7 +315,7 @@ def test_abort_mid_transfer_frees_both_sides_and_a_late_landing_is_ignored() -> 
     assert [s.kv_cancels for s in prefill.steps if s.kv_cancels] == [[transfer_id]]
     assert outcomes(core) == {"aborted": 1}
     assert core.handoff is not None
-    late = core.handoff.on_result("decode", KVTransferResult(transfer_id, True))
+    late = core.slots[PoolRole.DECODE].side.on_result(KVTransferResult(transfer_id, True))
     assert late == {} and outcomes(core) == {"aborted": 1}
     assert_all_free(core)
 
@@ -369,11 +369,13 @@ def test_a_stale_block_reference_is_refused() -> None:
     run(core, outputs, lambda: len([r for s in decode.steps for r in s.kv_receives]) == 2)
     fresh = [r for s in decode.steps for r in s.kv_receives][-1]
     assert fresh.block_ids[0] in stale.block_ids  # the same block, handed out again
-    kv = core.slots["decode"].scheduler.kv
+    kv = core.slots[PoolRole.DECODE].scheduler.kv
     assert not kv.is_current(stale.block_ids, stale.generations)
     assert kv.is_current(fresh.block_ids, fresh.generations)
     assert core.handoff is not None
-    assert core.handoff.on_result("decode", KVTransferResult(stale.transfer_id, True)) == {}
+    assert (
+        core.slots[PoolRole.DECODE].side.on_result(KVTransferResult(stale.transfer_id, True)) == {}
+    )
     run(core, outputs, finished(outputs, "b"))
     assert tokens(outputs, "b") == expected_tokens("b", 7, 2)
     assert outcomes(core) == {"aborted": 1, "done": 1}

@@ -57,7 +57,7 @@ def test_random_traffic_over_two_pools(data: st.DataObject) -> None:
         max_in_flight=depth,
     )
     clock = ManualClock()
-    core = EngineCore(config, {"prefill": prefill, "decode": decode}, clock)
+    core = EngineCore(config, {PoolRole.PREFILL: prefill, PoolRole.DECODE: decode}, clock)
     core.start()
     ends: Counter[str] = Counter()
     after_end: list[RequestOutput] = []
@@ -101,7 +101,7 @@ def test_random_traffic_over_two_pools(data: st.DataObject) -> None:
     for slot in core.slots.values():
         kv = slot.scheduler.kv
         check_blocks(kv)
-        assert kv.num_free_blocks == kv.num_blocks, f"{slot.name} leaked blocks"
+        assert kv.num_free_blocks == kv.num_blocks, f"{slot.role} leaked blocks"
     assert all(ends[rid] == 1 for rid in sent), ends  # every request ended, exactly once
     assert not after_end
     stats = core.transfer_stats()

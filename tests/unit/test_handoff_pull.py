@@ -45,7 +45,9 @@ def make(
     )
     prefill = FakePool(PoolRole.PREFILL, 16)
     decode = FakePool(PoolRole.DECODE, 16, decode_polls, land_polls)
-    core = EngineCore(config, {"prefill": prefill, "decode": decode}, ManualClock(1000.0))
+    core = EngineCore(
+        config, {PoolRole.PREFILL: prefill, PoolRole.DECODE: decode}, ManualClock(1000.0)
+    )
     core.start()
     return core, prefill, decode
 
@@ -53,10 +55,10 @@ def make(
 def test_equal_widths_share_one_block_pool_and_different_widths_copy() -> None:
     core, _, _ = make(2, 2)
     assert not isinstance(core.handoff, ShmCopyHandoff)  # one manager: zero-copy
-    assert core.slots["prefill"].scheduler.kv is core.slots["decode"].scheduler.kv
+    assert core.slots[PoolRole.PREFILL].scheduler.kv is core.slots[PoolRole.DECODE].scheduler.kv
     core, _, _ = make(2, 1)
     assert isinstance(core.handoff, ShmCopyHandoff)
-    assert core.slots["prefill"].scheduler.kv is not core.slots["decode"].scheduler.kv
+    assert core.slots[PoolRole.PREFILL].scheduler.kv is not core.slots[PoolRole.DECODE].scheduler.kv
 
 
 def test_the_decode_side_copies_the_prefill_blocks_itself() -> None:
@@ -79,10 +81,14 @@ def test_a_hand_off_lands_once_every_decode_rank_has_its_heads() -> None:
     run(core, outputs, lambda: any(s.kv_receives for s in decode.steps))
     handoff = core.handoff
     assert isinstance(handoff, ShmCopyHandoff)
-    prefill_kv = core.slots["prefill"].scheduler.kv
-    assert handoff.on_result("decode", KVTransferResult("a#0", True, None, 100)) == {}
+    prefill_kv = core.slots[PoolRole.PREFILL].scheduler.kv
+    assert (
+        core.slots[PoolRole.DECODE].side.on_result(KVTransferResult("a#0", True, None, 100)) == {}
+    )
     assert "a" in handoff.in_flight and prefill_kv.blocks_of("a") == [0, 1]  # rank 1 to come
-    assert handoff.on_result("decode", KVTransferResult("a#0", True, None, 100)) == {}
+    assert (
+        core.slots[PoolRole.DECODE].side.on_result(KVTransferResult("a#0", True, None, 100)) == {}
+    )
     assert "a" not in handoff.in_flight and prefill_kv.num_free_blocks == prefill_kv.num_blocks
     run(core, outputs, finished(outputs, "a"))
     assert tokens(outputs, "a") == expected_tokens("a", 5, 2)
@@ -99,7 +105,7 @@ def test_an_abort_while_a_decode_step_may_read_the_blocks_frees_them_after_it() 
     assert decode.busy  # the step carrying the copy order is running
     outputs.setdefault("a", []).extend(core.abort(["a"]).get(b"client", []))
     assert outputs["a"][-1].finish_reason == FinishReason.ABORT
-    prefill_kv = core.slots["prefill"].scheduler.kv
+    prefill_kv = core.slots[PoolRole.PREFILL].scheduler.kv
     assert prefill_kv.num_free_blocks == prefill_kv.num_blocks - 3  # still being read
     assert "a" not in prefill_kv.req_to_blocks  # the id is free for a new request
     run(core, outputs, lambda: not decode.busy)

@@ -25,7 +25,7 @@ from common.messages import (
     WorkerHeartbeat,
     WorkerMessage,
 )
-from common.pool_config import DisaggConfig
+from common.pool_config import DisaggConfig, PoolSpec
 from engine_core.executor import PEER_DEATH_GRACE_S, WorkerDied, WorkerPool
 
 
@@ -43,7 +43,7 @@ class FakeProc:
 def failure_reported(tmp_path: Path, rank1_dies_after: float | None) -> tuple[str, float]:
     """Rank 0 reports a failure; returns what the pool raises and how long that took."""
     config = TandemConfig(disagg=DisaggConfig(external_workers=True))
-    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=2)
+    pool = WorkerPool(PoolSpec(PoolRole.UNIFIED, 1, 2, ""), config, str(tmp_path))
     pool._procs = {  # as if the pool had started both ranks
         b"worker-0": FakeProc(100, None),  # type: ignore[dict-item]
         b"worker-1": FakeProc(101, rank1_dies_after),  # type: ignore[dict-item]
@@ -96,7 +96,7 @@ def test_a_worker_still_running_after_its_shutdown_is_killed_after_its_stacks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = TandemConfig(disagg=DisaggConfig(external_workers=True))
-    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=1)
+    pool = WorkerPool(PoolSpec(PoolRole.UNIFIED, 1, 1, ""), config, str(tmp_path))
     stuck = subprocess.Popen(
         [sys.executable, "-c", STUCK_WORKER], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -116,7 +116,7 @@ def test_the_pool_sums_the_threads_each_rank_last_stepped_on(tmp_path: Path) -> 
     """Each rank's answer says the threads its step ran on; an answer that says nothing
     (0) keeps that rank's last figure."""
     config = TandemConfig(disagg=DisaggConfig(external_workers=True))
-    pool = WorkerPool(PoolRole.UNIFIED, config, str(tmp_path), num_workers=2)
+    pool = WorkerPool(PoolSpec(PoolRole.UNIFIED, 1, 2, ""), config, str(tmp_path))
     ctx = zmq.Context()
     ranks = []
     for rank in range(2):
