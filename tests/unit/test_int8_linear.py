@@ -129,9 +129,11 @@ def test_the_epilogue_is_the_float_steps_within_two_float32_steps(
     acc = (xq[:, :in_features].long() @ wq.long().T).float()
     product = acc * (x_scales[:, None] * scales[None, :])
     expected = product if b is None else product + b
-    # EPILOGUE_ULPS float32 steps of the larger term (a sum that cancels is judged by its
-    # terms' size, not by its own); bfloat16: one more rounding of the result.
+    # EPILOGUE_ULPS float32 steps of the largest of the terms and the result (a sum that
+    # cancels is judged by its terms' size; one that grows, by its own: the last add
+    # rounds in the result's steps); bfloat16: one more rounding of the result.
     size = product.abs() if b is None else torch.maximum(product.abs(), b.abs())
+    size = torch.maximum(size, expected.abs())
     bound = size * EPILOGUE_ULPS * 2**-23 + 1e-30
     if bfloat16:
         bound = bound + expected.abs() * 2**-8
