@@ -15,7 +15,7 @@ PARSING = {"common/cli_args.py", "common/messages.py", "common/pool_config.py"}
 
 
 def sources() -> list[tuple[str, ast.AST]]:
-    found = []
+    found: list[tuple[str, ast.AST]] = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             found.append((str(path.relative_to(ROOT)), ast.parse(path.read_text())))
