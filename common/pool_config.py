@@ -146,17 +146,11 @@ class DisaggConfig:
             tp = self.tensor_parallel_size
             return (PoolSpec(PoolRole.UNIFIED, tp, tp, self.unified_pool_address),)
         return (
-            PoolSpec(
-                PoolRole.PREFILL,
-                self.prefill_tp,
-                self.prefill_tp if self.prefill_tp > 1 else self.prefill_workers,
-                self.prefill_pool_address,
+            _split_spec(
+                PoolRole.PREFILL, self.prefill_tp, self.prefill_workers, self.prefill_pool_address
             ),
-            PoolSpec(
-                PoolRole.DECODE,
-                self.decode_tp,
-                self.decode_tp if self.decode_tp > 1 else self.decode_workers,
-                self.decode_pool_address,
+            _split_spec(
+                PoolRole.DECODE, self.decode_tp, self.decode_workers, self.decode_pool_address
             ),
         )
 
@@ -179,3 +173,8 @@ class DisaggConfig:
             return self.worker_threads
         workers = sum(s.workers for s in self.pool_specs())  # per rank: cores / ranks
         return max(1, (os.cpu_count() or 1) // workers)
+
+
+def _split_spec(role: PoolRole, tp: int, workers: int, address: str) -> PoolSpec:
+    """A pool of split pools: ``tp`` ranks of one worker, or (TP 1) ``workers`` replicas."""
+    return PoolSpec(role, tp, tp if tp > 1 else workers, address)

@@ -104,8 +104,8 @@ class HandoffSide:
     """One pool's end of the hand-offs: the orders its next step carries, and what the
     hand-off does when one of that pool's steps, or a transfer on its side, ends."""
 
-    step_done: Callable[[ModelRunnerOutput], ClientOutputs] = _no_outputs
-    transfer_ended: Callable[[KVTransferResult], ClientOutputs] = _no_outputs
+    on_step_done: Callable[[ModelRunnerOutput], ClientOutputs] = _no_outputs
+    on_result: Callable[[KVTransferResult], ClientOutputs] = _no_outputs
     orders_taken: Callable[[Orders], None] = _no_hook  # the step carrying them is sent
     orders: Orders = field(default_factory=Orders)
 
@@ -113,12 +113,6 @@ class HandoffSide:
         orders, self.orders = self.orders, Orders()
         self.orders_taken(orders)
         return orders
-
-    def on_step_done(self, result: ModelRunnerOutput) -> ClientOutputs:
-        return self.step_done(result)
-
-    def on_result(self, result: KVTransferResult) -> ClientOutputs:
-        return self.transfer_ended(result)
 
 
 class Handoff(Protocol):
