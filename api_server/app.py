@@ -53,6 +53,8 @@ ROUTE_PATHS = frozenset(
         "/",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
         "/v1/messages",
         "/v1/models",
         "/tokenize",
@@ -66,6 +68,9 @@ ROUTE_PATHS = frozenset(
         "/reset_prefix_cache",
     }
 )
+
+# Routes whose prompts ``<route>/render`` returns as token ids (vLLM's router reads them).
+RENDERED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def stats_body(s: SchedulerStats) -> dict[str, Any]:
@@ -266,6 +271,10 @@ def create_app(
             *(
                 Route(path, cancel_on_disconnect(driver.handle), methods=["POST"])
                 for path, driver in drivers.items()
+            ),
+            *(
+                Route(f"{path}/render", drivers[path].render, methods=["POST"])
+                for path in RENDERED_ROUTES
             ),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),

@@ -204,6 +204,19 @@ class GenerationDriver:
         # Percent-encoded: a header is ASCII, field names need not be.
         return {IGNORED_FIELDS_HEADER: ",".join(names)}
 
+    async def render(self, request: Request) -> Response:
+        """``POST <route>/render``: the prompt token ids the request would be served with
+        (template applied), generating nothing. vLLM's router asks every instance for
+        them to match a request's prefix against the instances' KV events."""
+        try:
+            req = self.format.parse(await json_body(request)).request
+            self.check_model(req.model)
+            prompts = self.format.prompts(req, self.service.model_info())
+        except ApiError as e:
+            return error_response(e, self.format.errors)
+        rendered = [{"token_ids": p.ids, "num_tokens": len(p.ids)} for p in prompts]
+        return JSONResponse(rendered[0] if len(rendered) == 1 else rendered)
+
     async def _handle(self, request: Request) -> Response:
         service, fmt = self.service, self.format
         parsed = fmt.parse(await json_body(request))

@@ -36,6 +36,8 @@ _ERROR = {
 _POST: list[tuple[str, type[BaseModel], str]] = [
     ("/v1/completions", CompletionRequest, "Create a text completion (OpenAI)"),
     ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (OpenAI)"),
+    ("/v1/completions/render", CompletionRequest, "A completion's prompt token ids"),
+    ("/v1/chat/completions/render", ChatCompletionRequest, "A chat's prompt token ids"),
     ("/v1/messages", MessagesRequest, "Create a message (Anthropic)"),
     ("/tokenize", TokenizeRequest, "Tokenize a prompt"),
     ("/detokenize", DetokenizeRequest, "Turn token ids back into text"),

@@ -20,6 +20,16 @@ def main(argv: list[str] | None = None) -> None:
         "with none, this serves the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.",
     )
     add_cli_args(serve)
+    fleet = commands.add_parser(
+        "fleet",
+        help="try a fleet on this host: Tandem instances behind vLLM's router",
+        description="Start --replicas Tandem instances (each `tandem serve` with these "
+        "flags, on 127.0.0.1 from --instance-base-port, KV events on from "
+        "--kv-events-base-port) and vllm-router in front on --host/--port. Needs "
+        "pip install 'tandem[router]'.",
+    )
+    add_fleet_args(fleet)
+    add_cli_args(fleet)
     keys = commands.add_parser(
         "keys",
         help="make the CurveZMQ key pairs a deployment's processes share (--curve-keys DIR)",
@@ -31,10 +41,13 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"CurveZMQ keys written to {generate_keys(args.directory)}")
         return
+    parser_of = {"serve": serve, "fleet": fleet}
     try:
         config = TandemConfig.from_cli_args(args)
     except ValueError as e:
-        serve.error(str(e))
+        parser_of[args.command].error(str(e))
+    if args.command == "fleet":
+        sys.exit(_run_fleet(config, args, fleet))
     setup_logging(config.server.log_level, "tandem")
     from common.launcher import serve as run_serve
 
@@ -43,6 +56,46 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # e.g. an unknown --model
         print(f"tandem: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    from common.fleet import ROUTER_POLICIES
+
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--replicas", type=int, default=2, help="instances (default: %(default)s)")
+    f.add_argument(
+        "--policy",
+        default="kv_aware",
+        choices=ROUTER_POLICIES,
+        help="the router's policy; kv_aware reads the instances' KV events (default: %(default)s)",
+    )
+    f.add_argument(
+        "--instance-base-port",
+        type=int,
+        default=8100,
+        help="instance i serves HTTP on this port + i (default: %(default)s)",
+    )
+    f.add_argument(
+        "--kv-events-base-port",
+        type=int,
+        default=5557,
+        help="instance i publishes KV events on this port + 2i, replays on + 2i + 1 "
+        "(default: %(default)s)",
+    )
+
+
+def _run_fleet(
+    config: TandemConfig, args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> int:
+    from common.fleet import plan_fleet, run_fleet
+
+    try:
+        plan = plan_fleet(
+            config, args.replicas, args.policy, args.instance_base_port, args.kv_events_base_port
+        )
+        return run_fleet(plan)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="exact number of KV blocks, overriding --kv-cache-gb",
     )
+    c.add_argument(
+        "--kv-events-config",
+        default=d.cache.kv_events_config,
+        help="publish KV cache events for a router's prefix index, as vLLM: JSON with "
+        'enable_kv_cache_events, publisher ("zmq"), endpoint, replay_endpoint, '
+        "buffer_steps, hwm, max_queue_size, topic (docs/fleet.md)",
+    )
     s = parser.add_argument_group("scheduler")
     s.add_argument(
         "--max-num-seqs",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.config_checks import is_private_address, require
+from common.kv_events_config import KVEventsConfig, parse_kv_events_config
 from common.pool_config import DisaggConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -90,8 +91,10 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests, benchmarks)
+    kv_events_config: str | None = None  # vLLM's KVEventsConfig as JSON (a router's index)
 
     def __post_init__(self) -> None:
+        parse_kv_events_config(self.kv_events_config)  # refused here, not at first use
         require(
             1 <= self.block_size <= 1024,
             f"--block-size must be in [1, 1024], got {self.block_size}",
@@ -101,6 +104,10 @@ class CacheConfig:
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}",
         )
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        return parse_kv_events_config(self.kv_events_config)
 
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -288,12 +295,24 @@ class TandemConfig:
             ("--prefill-pool-address", d.prefill_pool_address),
             ("--decode-pool-address", d.decode_pool_address),
             ("--kv-transfer-address", d.kv_transfer_address),
+            *self._kv_event_addresses(),
         ):
             require(
                 is_private_address(address) or self.addresses.expose_engine,
                 f"{flag} {address} listens beyond 127.0.0.1; pass --expose-engine "
                 "(with --curve-keys) to mean it",
             )
+
+    def _kv_event_addresses(self) -> list[tuple[str, str]]:
+        # KV events carry prompts' token ids: the engine's own sockets' rule.
+        events = self.cache.kv_events
+        if not events.enabled:
+            return []
+        flag = "--kv-events-config"
+        found = [(f"{flag} endpoint", events.endpoint)]
+        if events.replay_endpoint:
+            found.append((f"{flag} replay_endpoint", events.replay_endpoint))
+        return found
 
     @property
     def served_model_name(self) -> str:

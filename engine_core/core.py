@@ -36,6 +36,7 @@ from common.messages import (
 )
 from engine_core.executor import PoolEvents
 from engine_core.handoff import Handoff, NoHandoff, merge
+from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request
 from engine_core.request_checks import request_error
 from engine_core.scheduler import ClientOutputs, Scheduler
@@ -140,8 +141,12 @@ class EngineCore:
         ]
         return self.abort(ids)
 
+    def kv_managers(self) -> list[KVCacheManager]:
+        """Each pool's KV manager once (none before ``start``)."""
+        return self.topology.kv_managers() if self.topology is not None else []
+
     def reset_prefix_cache(self) -> None:
-        for kv in self.topology.kv_managers() if self.topology is not None else []:
+        for kv in self.kv_managers():
             kv.reset_prefix_cache()
         logger.info("prefix cache reset")
 

@@ -18,6 +18,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine_core.kv_events import KVEventSink, NoKVEvents
+
 BlockHash = bytes
 
 
@@ -43,7 +45,11 @@ def extend_block_hashes(
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventSink | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -52,6 +58,8 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Blocks entering and leaving the prefix cache, for a router's index (kv_events).
+        self.events: KVEventSink = events or NoKVEvents()
         # Free blocks, least recently freed first; OrderedDict for O(1) removal of a hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
@@ -160,19 +168,43 @@ class KVCacheManager:
         return new_blocks
 
     def cache_full_blocks(
-        self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+        token_ids: Sequence[int],
     ) -> None:
-        """Register the request's blocks that are now full and computed."""
+        """Register the request's blocks that are now full and computed (``token_ids``:
+        the request's tokens, which the stored-block events carry)."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(block_hashes), len(blocks))
+        run_start: int | None = None  # first block of the run of new registrations
         for i in range(self._num_registered.get(request_id, 0), num_full):
             block, block_hash = blocks[i], block_hashes[i]
             if self.block_hashes[block] is None and block_hash not in self.cached_blocks:
                 self.block_hashes[block] = block_hash
                 self.cached_blocks[block_hash] = block
+                run_start = i if run_start is None else run_start
+            elif run_start is not None:
+                self._announce(block_hashes, run_start, i, token_ids)
+                run_start = None
+        if run_start is not None:
+            self._announce(block_hashes, run_start, num_full, token_ids)
         self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
+
+    def _announce(
+        self, block_hashes: Sequence[BlockHash], start: int, end: int, token_ids: Sequence[int]
+    ) -> None:
+        """One stored-block event for blocks ``start:end`` of a request, chained to the
+        block before them."""
+        size = self.block_size
+        self.events.stored(
+            block_hashes[start:end],
+            block_hashes[start - 1] if start else None,
+            token_ids[start * size : end * size],
+        )
 
     def free(self, request_id: str) -> None:
         """Drop the request's references. Blocks return to the free queue tail, last
@@ -200,6 +232,7 @@ class KVCacheManager:
         """Forget every cached hash; blocks in use stay with their requests."""
         self.cached_blocks.clear()
         self.block_hashes = [None] * self.num_blocks
+        self.events.cleared()
         for request_id in self._num_registered:
             self._num_registered[request_id] = len(self.req_to_blocks.get(request_id, []))
 
@@ -209,3 +242,4 @@ class KVCacheManager:
             self.block_hashes[block] = None
             if self.cached_blocks.get(block_hash) == block:
                 del self.cached_blocks[block_hash]
+                self.events.removed(block_hash)

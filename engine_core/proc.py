@@ -44,6 +44,7 @@ from common.process import freeze_startup_heap
 from common.shm import ServiceLock, new_service_id, remove_stale
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerDied, WorkerPool
+from engine_core.kv_event_publisher import KVEventStreams
 from engine_core.scheduler import ClientOutputs
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class EngineCoreProc:
             spec.role: WorkerPool(spec, config, runtime_dir) for spec in config.disagg.pool_specs()
         }
         self.core = EngineCore(config, self.pools)
+        self._kv_events = KVEventStreams(self._ctx, config.cache.kv_events, [])  # at start
         self._poller = zmq.Poller()
         self._poller.register(self._wake, zmq.POLLIN)
         for pool in self.pools.values():
@@ -117,6 +119,9 @@ class EngineCoreProc:
     def run(self) -> None:
         """Serve until ``stop()``, or drained. Raises ``WorkerDied`` when a worker dies."""
         self.core.start()
+        self._kv_events = KVEventStreams(
+            self._ctx, self.config.cache.kv_events, self.core.kv_managers()
+        )
         freeze_startup_heap()
         self._publish()
         managers = {str(r): s.scheduler.kv.num_blocks for r, s in self.core.slots.items()}
@@ -126,6 +131,7 @@ class EngineCoreProc:
         while not self._stop.is_set():
             self._apply_inputs()
             result = self.core.step()
+            self._kv_events.flush()
             if result.outputs:
                 self._emit(result.outputs)
             elif result.progressed:
@@ -258,6 +264,7 @@ class EngineCoreProc:
             thread.join(timeout=1.0)
         for pool in self.pools.values():
             pool.shutdown()
+        self._kv_events.close()
         self._wake.close()
         if self._auth is not None:
             self._auth.stop()

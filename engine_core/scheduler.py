@@ -310,7 +310,10 @@ class Scheduler:
                     request.cache_salt,
                 )
                 self.kv.cache_full_blocks(
-                    request_id, request.block_hashes, request.num_computed_tokens
+                    request_id,
+                    request.block_hashes,
+                    request.num_computed_tokens,
+                    request.token_ids,
                 )
         outputs: ClientOutputs = {}
         logprobs = result.logprobs or [None] * len(result.request_ids)

@@ -23,6 +23,7 @@ from engine_core.handoff import Handoff, HandoffSide, HandoffStats, NoHandoff, S
 from engine_core.handoff_pull import ShmCopyHandoff
 from engine_core.handoff_tcp import TcpHandoff
 from engine_core.kv_cache import KVCacheManager
+from engine_core.kv_events import KVEventLog, NoKVEvents
 from engine_core.request import Request
 from engine_core.router import Router
 from engine_core.scheduler import Scheduler
@@ -111,8 +112,9 @@ def build_topology(
     first = next(iter(readies.values()))
 
     def manager(role: PoolRole) -> KVCacheManager:
+        log = KVEventLog(first.block_size) if config.cache.kv_events.enabled else NoKVEvents()
         return KVCacheManager(
-            readies[role].num_kv_blocks, first.block_size, sched.enable_prefix_caching
+            readies[role].num_kv_blocks, first.block_size, sched.enable_prefix_caching, log
         )
 
     mode = config.disagg.kv_mode

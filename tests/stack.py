@@ -47,6 +47,24 @@ def free_port() -> int:
             return port
 
 
+def free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports nothing listens on (a fleet's
+    instances and event sockets take ports from a base)."""
+    for _ in range(100):
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if not _handed_out.intersection(range(base + 1, base + n)):
+            _handed_out.update(range(base, base + n))
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def module_of(proc: psutil.Process) -> str | None:
     """``<module>`` of a process started as ``python -m <module>``, else None."""
     cmdline = proc.cmdline()
@@ -56,7 +74,10 @@ def module_of(proc: psutil.Process) -> str | None:
 class TandemStack:
     """``tandem serve`` as a user runs it. ``start()`` waits for ``/health`` 200."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, command: str = "serve"
+    ) -> None:
+        self.command = command  # or "fleet": then the port is the router's
         self.port = free_port()
         self.args = ["--port", str(self.port), *args]
         # The launcher dies with this process (the test run) if it is killed: no server
@@ -75,7 +96,7 @@ class TandemStack:
     def start(self, wait: bool = True) -> TandemStack:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "common.cli", "serve", *self.args],
+                [sys.executable, "-m", "common.cli", self.command, *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

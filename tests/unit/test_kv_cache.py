@@ -71,7 +71,7 @@ def test_prefix_hit_shares_blocks_and_lru_free_order() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4)
     a = list(range(10))
     assert kv.allocate("a", 10) == [0, 1, 2]
-    kv.cache_full_blocks("a", hashes(a), 10)
+    kv.cache_full_blocks("a", hashes(a), 10, a)
     assert kv.cached_blocks == {hashes(a)[0]: 0, hashes(a)[1]: 1}
 
     b = [*a[:8], 50, 51, 52, 53]
@@ -100,7 +100,7 @@ def test_the_block_of_the_last_token_is_never_a_hit() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     tokens = list(range(8))
     kv.allocate("a", 8)
-    kv.cache_full_blocks("a", hashes(tokens), 8)
+    kv.cache_full_blocks("a", hashes(tokens), 8, tokens)
     assert kv.find_cached_prefix(hashes(tokens), 8) == [0]  # token 7 must be recomputed
     assert kv.find_cached_prefix(hashes(tokens), 9) == [0, 1]
 
@@ -109,7 +109,7 @@ def test_eviction_forgets_hashes_oldest_free_block_first() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     tokens = [1, 2, 3, 4, 5, 6, 7]
     kv.allocate("a", 7)
-    kv.cache_full_blocks("a", hashes(tokens, 2), 7)
+    kv.cache_full_blocks("a", hashes(tokens, 2), 7, tokens)
     kv.free("a")
     assert list(kv.free_queue) == [3, 2, 1, 0]  # a's last block first
     assert kv.allocate("b", 2) == [3]  # block 3 held no full block: nothing lost
@@ -123,7 +123,7 @@ def test_salted_requests_do_not_share() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     tokens = list(range(9))
     kv.allocate("a", 9)
-    kv.cache_full_blocks("a", hashes(tokens, salt=b"alice"), 9)
+    kv.cache_full_blocks("a", hashes(tokens, salt=b"alice"), 9, tokens)
     assert kv.find_cached_prefix(hashes(tokens, salt=b"bob"), 9) == []
     assert kv.find_cached_prefix(hashes(tokens, salt=b"alice"), 9) == [0, 1]
 
@@ -133,8 +133,8 @@ def test_duplicate_content_is_registered_once() -> None:
     tokens = list(range(5))
     kv.allocate("a", 5)
     kv.allocate("b", 5)  # computed concurrently, before a's blocks were cached
-    kv.cache_full_blocks("a", hashes(tokens), 5)
-    kv.cache_full_blocks("b", hashes(tokens), 5)
+    kv.cache_full_blocks("a", hashes(tokens), 5, tokens)
+    kv.cache_full_blocks("b", hashes(tokens), 5, tokens)
     assert kv.cached_blocks == {hashes(tokens)[0]: 0}
     assert kv.block_hashes[2] is None
 
@@ -143,7 +143,7 @@ def test_reset_prefix_cache_forgets_everything_but_keeps_owners() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=4)
     tokens = list(range(9))
     kv.allocate("a", 9)
-    kv.cache_full_blocks("a", hashes(tokens), 9)
+    kv.cache_full_blocks("a", hashes(tokens), 9, tokens)
     kv.reset_prefix_cache()
     assert kv.find_cached_prefix(hashes(tokens), 9) == []
     assert kv.blocks_of("a") == [0, 1, 2] and kv.num_used_blocks == 3
@@ -155,6 +155,6 @@ def test_prefix_caching_off_never_hits() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
     tokens = list(range(9))
     kv.allocate("a", 9)
-    kv.cache_full_blocks("a", hashes(tokens), 9)
+    kv.cache_full_blocks("a", hashes(tokens), 9, tokens)
     assert kv.cached_blocks == {}
     assert kv.find_cached_prefix(hashes(tokens), 9) == []

@@ -1,0 +1,212 @@
+"""``tandem fleet``: Tandem instances behind vLLM's router (``vllm-router``), on one host.
+
+For trying a fleet before deploying one (compose profile ``fleet``, the Helm chart's
+router): ``--replicas N`` whole instances, each ``tandem serve`` on its own port with its
+KV events published (vLLM's format) on its own ports, and the router in front with the
+chosen ``--policy``; ``kv_aware`` is told each instance's event and replay endpoints and
+the block size, so it routes by what each instance has cached. Prints the router's URL;
+Ctrl-C or SIGTERM stops everything. The router comes with ``pip install 'tandem[router]'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from types import FrameType
+
+from common.config import TandemConfig
+from common.ipc import free_tcp_port
+from common.process import start_module
+
+ROUTER_POLICIES = (
+    "kv_aware",
+    "cache_aware",
+    "power_of_two",
+    "round_robin",
+    "random",
+    "consistent_hash",
+    "sticky_least_loaded",
+)
+_START_TIMEOUT_S = 600.0
+_STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Instance:
+    url: str
+    args: list[str]  # `tandem serve` flags
+    events: str  # its KV events' PUB endpoint, as the router connects to it
+    replay: str
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    instances: list[Instance]
+    router_args: list[str]
+    router_url: str
+
+
+def router_binary() -> str:
+    """The ``vllm-router`` beside this Python, else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("vllm-router")
+    if found is None:
+        raise ValueError("vllm-router is not installed: pip install 'tandem[router]'")
+    return found
+
+
+def plan_fleet(
+    config: TandemConfig,
+    replicas: int,
+    policy: str,
+    instance_base_port: int,
+    events_base_port: int,
+    health_check_interval_s: int = 5,
+) -> FleetPlan:
+    """The instances' flags and the router's, from the flags ``tandem fleet`` was given
+    (``--host``/``--port``: the router's; each instance on 127.0.0.1)."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}")
+    instances = []
+    for i in range(replicas):
+        port, pub, replay = (
+            instance_base_port + i,
+            events_base_port + 2 * i,
+            events_base_port + 2 * i + 1,
+        )
+        endpoint, replay_endpoint = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+        }
+        server = dataclasses.replace(config.server, host="127.0.0.1", port=port)
+        cache = dataclasses.replace(config.cache, kv_events_config=json.dumps(events))
+        instance_config = dataclasses.replace(config, server=server, cache=cache)
+        instances.append(
+            Instance(
+                f"http://127.0.0.1:{port}",
+                instance_config.to_cli_args(),
+                endpoint,
+                replay_endpoint,
+            )
+        )
+    host, port = config.server.host, config.server.port
+    router_args = [
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--worker-urls",
+        *(inst.url for inst in instances),
+        "--worker-startup-check-interval",
+        "1",
+        "--health-check-interval-secs",
+        str(health_check_interval_s),
+        "--prometheus-port",
+        str(free_tcp_port()),
+    ]
+    if policy == "kv_aware":  # the router refuses event sources under other policies
+        for inst in instances:
+            router_args += ["--kv-event-source", f"{inst.url}={inst.events}"]
+            router_args += ["--kv-event-replay-source", f"{inst.url}={inst.replay}"]
+        router_args += [
+            "--kv-event-block-size",
+            str(config.cache.block_size),
+            "--kv-event-model",
+            config.served_model_name,
+        ]
+    return FleetPlan(instances, router_args, f"http://{host}:{port}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def run_fleet(fleet: FleetPlan) -> int:
+    """Start the instances, then (once each answers /health) the router; serve until a
+    signal or until any process ends, then stop them all."""
+    router = router_binary()
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    try:
+        for n, instance in enumerate(fleet.instances):
+            children.append(
+                (f"instance {n}", start_module("common.cli", ["serve", *instance.args]))
+            )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        waiting = [i.url for i in fleet.instances]
+        while waiting:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"instances not healthy within {_START_TIMEOUT_S:.0f} s: {waiting}"
+                )
+            _check_running(children)
+            waiting = [url for url in waiting if not _healthy(url)]
+            time.sleep(0.5)
+        children.append(
+            ("router", subprocess.Popen([router, *fleet.router_args], start_new_session=True))
+        )
+        print(
+            f"tandem fleet: router on {fleet.router_url}, instances "
+            + " ".join(inst.url for inst in fleet.instances),
+            flush=True,
+        )
+        while True:
+            _check_running(children)
+            time.sleep(0.2)
+    except _Stop:
+        return 0
+    except RuntimeError as e:
+        print(f"tandem fleet: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_all(children)
+
+
+def _check_running(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    for name, proc in children:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+
+
+def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for _, proc in reversed(children):  # the router first: no new requests reach the rest
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for _, proc in children:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
