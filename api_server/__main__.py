@@ -10,6 +10,7 @@ engine, having answered in-flight requests with errors and new ones with 503 mea
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 import time
@@ -21,6 +22,7 @@ from api_server.app import create_app
 from api_server.client import EngineClient
 from api_server.generation import CompletionService
 from api_server.http_protocol import with_header_timeout
+from api_server.instance_info import InstanceInfo
 from api_server.rate_limit import RateLimiter
 from api_server.sampling_defaults import load_sampling_defaults
 from api_server.tokenizer_loader import load_tokenizer
@@ -38,6 +40,12 @@ from common.process import (
 )
 
 logger = logging.getLogger("api_server")
+
+
+def instance_id(config: TandemConfig) -> str:
+    """This instance's name for a router: its host, port and engine address."""
+    where = f"{socket.gethostname()}:{config.server.port}:{config.addresses.input_address}"
+    return hashlib.blake2b(where.encode(), digest_size=8).hexdigest()
 
 
 DRAIN_POLL_S = 0.05
@@ -156,6 +164,13 @@ async def serve(config: TandemConfig) -> int:
         config.server.request_read_timeout_s,
         config.server.allowed_origins,
         config.server.api_server_count,
+        InstanceInfo(
+            config.served_model_name,
+            config.cache.block_size,
+            config.cache.kv_events,
+            config.disagg.kv_mode.num_kv_managers,
+            instance_id(config),
+        ),
     )
     server = _Server(
         uvicorn.Config(

@@ -33,6 +33,7 @@ from api_server.generation import CompletionService
 from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, too_slow_body
 from api_server.http_util import cancel_on_disconnect, key_id_of
 from api_server.http_util import parse as http_parse
+from api_server.instance_info import InstanceInfo, instance_routes
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
@@ -66,6 +67,8 @@ ROUTE_PATHS = frozenset(
         "/stats",
         "/openapi.json",
         "/reset_prefix_cache",
+        "/get_server_info",
+        "/kv_event_sources",
     }
 )
 
@@ -106,6 +109,7 @@ def create_app(
     read_timeout_s: float = 30.0,
     allowed_origins: tuple[str, ...] = (),
     api_server_count: int = 1,
+    instance: InstanceInfo | None = None,
 ) -> Starlette:
     template = ChatTemplate(service, chat_template)
     generation_routes: dict[str, ApiFormat] = {
@@ -276,6 +280,7 @@ def create_app(
                 Route(f"{path}/render", drivers[path].render, methods=["POST"])
                 for path in RENDERED_ROUTES
             ),
+            *instance_routes(instance or InstanceInfo(service.served_model_name, 16)),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

@@ -295,24 +295,12 @@ class TandemConfig:
             ("--prefill-pool-address", d.prefill_pool_address),
             ("--decode-pool-address", d.decode_pool_address),
             ("--kv-transfer-address", d.kv_transfer_address),
-            *self._kv_event_addresses(),
         ):
             require(
                 is_private_address(address) or self.addresses.expose_engine,
                 f"{flag} {address} listens beyond 127.0.0.1; pass --expose-engine "
                 "(with --curve-keys) to mean it",
             )
-
-    def _kv_event_addresses(self) -> list[tuple[str, str]]:
-        # KV events carry prompts' token ids: the engine's own sockets' rule.
-        events = self.cache.kv_events
-        if not events.enabled:
-            return []
-        flag = "--kv-events-config"
-        found = [(f"{flag} endpoint", events.endpoint)]
-        if events.replay_endpoint:
-            found.append((f"{flag} replay_endpoint", events.replay_endpoint))
-        return found
 
     @property
     def served_model_name(self) -> str:

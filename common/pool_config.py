@@ -23,6 +23,11 @@ class KVMode(enum.Enum):
     SHM_COPY = "shm-copy"  # shm, different widths: decode ranks copy out of prefill segments
     TCP = "tcp"  # separate memories: the prefill side streams, the decode side lands
 
+    @property
+    def num_kv_managers(self) -> int:
+        """Block pools kept apart (each publishes its own KV events)."""
+        return 1 if self in (KVMode.NONE, KVMode.SHARED) else 2
+
 
 @dataclass(frozen=True)
 class PoolSpec:

@@ -68,6 +68,10 @@ class ZmqEventPublisher:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.num_dropped = 0  # batches the full queue refused
+        if not is_private_address(config.endpoint):
+            logger.warning(
+                "KV events (prompts' token ids, unencrypted) published on %s", config.endpoint
+            )
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         _open(self._pub, config.endpoint)

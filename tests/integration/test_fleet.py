@@ -4,12 +4,16 @@ has cached only from the KV events the instances publish (vLLM's format)."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.stack import TandemStack, free_port_range
+from common.fleet import router_binary
+from tests.stack import TandemStack, free_port, free_port_range
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = [
@@ -84,16 +88,67 @@ def test_render_gives_the_prompt_tokens_the_request_is_served_with(
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
 
 
+@contextlib.contextmanager
+def discovering_router(instances: list[str]) -> Iterator[str]:
+    """A second vllm-router told only the instances' URLs: it finds their event sources
+    itself (/get_server_info, /kv_event_sources), as under Kubernetes discovery."""
+    port = free_port()
+    argv = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
+    argv += ["--worker-urls", *instances, "--worker-startup-check-interval", "1"]
+    argv += ["--prometheus-port", str(free_port())]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "vllm-router not healthy within 60 s"
+            time.sleep(0.2)
+        time.sleep(1.0)  # its subscribers connect once it has asked each instance
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_instances_describe_their_event_sources(fleet: tuple[TandemStack, list[str]]) -> None:
+    _, (url, other) = fleet
+    info = httpx.get(f"{url}/get_server_info").json()
+    assert info["model_id"] == MODEL and info["kv_block_size"] == 16
+    assert info["instance_id"] != httpx.get(f"{other}/get_server_info").json()["instance_id"]
+    (source,) = httpx.get(f"{url}/kv_event_sources").json().values()
+    assert (source["publisher"], source["encoding"], source["schema_version"]) == (
+        "zmq",
+        "msgpack",
+        1,
+    )
+    assert source["endpoint"].startswith("tcp://127.0.0.1:") and source["replay_endpoint"]
+
+
+@pytest.mark.parametrize("sources", ["flags", "discovered"])
 def test_kv_aware_sends_each_second_turn_where_the_first_was_cached(
-    fleet: tuple[TandemStack, list[str]],
+    fleet: tuple[TandemStack, list[str]], sources: str
 ) -> None:
     """Turn 1 of conversation i goes straight to instance i % 2; turn 2 through the
-    router lands on that same instance (8 of 8), and finds turn 1's blocks there."""
-    router, instances = fleet
+    router lands on that same instance (8 of 8), and finds turn 1's blocks there. The
+    router is `tandem fleet`'s (told the event sources by flags), or one told nothing
+    but the instances' URLs."""
+    fleet_router, instances = fleet
+    with contextlib.ExitStack() as stack:
+        router = fleet_router.url
+        if sources == "discovered":
+            router = stack.enter_context(discovering_router(instances))
+        check_second_turns(router, instances, sources)
+
+
+def check_second_turns(router: str, instances: list[str], tag: str) -> None:
     landed = []
     for i, topic in enumerate(TOPICS):
         home = instances[i % 2]
-        ask = f"Conversation {i}. Write a detailed essay about {topic}: its origins, key ideas and common mistakes. "
+        ask = f"Conversation {i} ({tag}). Write a detailed essay about {topic}: its origins, key ideas and common mistakes. "
         messages = [{"role": "user", "content": ask * 3}]
         first = chat(home, messages)
         first_usage = first["usage"]
@@ -105,7 +160,7 @@ def test_kv_aware_sends_each_second_turn_where_the_first_was_cached(
             {"role": "user", "content": "Now say it in one line."},
         ]
         before = [served(u) for u in instances]
-        second = chat(router.url, messages)
+        second = chat(router, messages)
         after = [served(u) for u in instances]
         went = [u for u, b, a in zip(instances, before, after, strict=True) if a > b]
         usage = second["usage"]

@@ -245,11 +245,13 @@ def test_bad_configs_are_refused_naming_the_problem(text: str, message: str) -> 
         parse_kv_events_config(text)
 
 
-def test_an_endpoint_beyond_loopback_needs_expose_engine() -> None:
+def test_vllms_default_endpoint_is_taken_as_it_is() -> None:
+    """``tcp://*:5557`` (vLLM's default) binds every interface, as in vLLM: a router on
+    another host subscribes there (with a warning in the log: token ids go unencrypted)."""
     from common.config import CacheConfig
 
-    cache = CacheConfig(kv_events_config='{"enable_kv_cache_events": true}')  # tcp://*:5557
-    with pytest.raises(ValueError, match=r"endpoint tcp://\*:5557 listens beyond 127\.0\.0\.1"):
-        TandemConfig(cache=cache)
+    cache = CacheConfig(kv_events_config='{"enable_kv_cache_events": true}')
+    events = TandemConfig(cache=cache).cache.kv_events
+    assert events.enabled and events.endpoint == "tcp://*:5557"
     off = CacheConfig(kv_events_config='{"enable_kv_cache_events": false}')
     assert not TandemConfig(cache=off).cache.kv_events.enabled
