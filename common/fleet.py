@@ -151,7 +151,8 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 def run_fleet(fleet: FleetPlan) -> int:
     """Start the instances, then (once each answers /health) the router; serve until a
-    signal or until any process ends, then stop them all."""
+    signal or the router ends, then stop them all. An instance that dies is reported and
+    left to the router's health checks (as a fleet's replica would be)."""
     router = router_binary()
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -179,8 +180,14 @@ def run_fleet(fleet: FleetPlan) -> int:
             + " ".join(inst.url for inst in fleet.instances),
             flush=True,
         )
-        while True:
-            _check_running(children)
+        reported: set[str] = set()
+        while True:  # an instance that ends is routed around; the router ending ends all
+            for name, proc in children:
+                if proc.poll() is not None and name not in reported:
+                    if name == "router":
+                        raise RuntimeError(f"the router exited with {proc.returncode}")
+                    reported.add(name)
+                    print(f"tandem fleet: {name} exited with {proc.returncode}", flush=True)
             time.sleep(0.2)
     except _Stop:
         return 0

@@ -5,15 +5,18 @@ has cached only from the KV events the instances publish (vLLM's format)."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from common.fleet import router_binary
-from tests.stack import TandemStack, free_port, free_port_range
+from tests.stack import TandemStack, completion, free_port, free_port_range
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = [
@@ -170,3 +173,58 @@ def check_second_turns(router: str, instances: list[str], tag: str) -> None:
         # every full block of turn 1's prompt is found again (16 tokens per block)
         assert went != [home] or cached >= first_usage["prompt_tokens"] // 16 * 16
     assert [ok for ok, _ in landed] == [True] * len(TOPICS), landed
+
+
+def stream_to_the_end(url: str, i: int) -> str:
+    """'done', or the error a stream ended with; raises nothing, so none is lost."""
+    body = {
+        "model": MODEL,
+        "prompt": f"Request {i}: tell a long story about a lighthouse keeper.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            if r.status_code != 200:
+                return f"status {r.status_code}"
+            last = ""
+            for line in r.iter_lines():
+                last = line or last
+            return "done" if last == "data: [DONE]" else f"ended without [DONE]: {last[:80]}"
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}"
+
+
+def test_a_replica_killed_under_load_fails_its_requests_and_the_rest_carry_on() -> None:
+    """SIGKILL one instance (every process of it) while streams run on both: every stream ends (done, or an
+    error for those on the dead one; none hangs), and new requests succeed on the other
+    within the router's health-check interval; nothing of the dead instance is left."""
+    instances, events = free_port_range(2), free_port_range(4)
+    # round robin: streams on both instances (kv_aware would put a burst of equal costs
+    # on one)
+    args = ["--replicas", "2", "--policy", "round_robin", "--instance-base-port", str(instances)]
+    args += ["--kv-events-base-port", str(events), "--worker-threads", "1", "--kv-cache-gb", "0.1"]
+    with TandemStack(*args, command="fleet") as stack:
+        victim = next(
+            p
+            for p in stack.descendants()
+            if "--port" in p.cmdline()
+            and p.cmdline()[p.cmdline().index("--port") + 1] == str(instances)
+            and "serve" in p.cmdline()
+        )
+        victim_tree = [victim, *victim.children(recursive=True)]
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(stream_to_the_end, stack.url, i) for i in range(6)]
+            time.sleep(3.0)  # every stream under way
+            for p in victim_tree:  # the whole replica at once, as a node or pod dies
+                p.send_signal(signal.SIGKILL)
+            ends = [f.result(timeout=90) for f in streams]  # none hangs
+        assert "done" in ends, ends  # those on the live instance finished
+        assert any(e != "done" for e in ends), ends  # those on the dead one failed
+        _, alive = psutil.wait_procs(victim_tree, timeout=15)
+        assert not alive, f"left by the killed instance: {[p.cmdline() for p in alive]}"
+        time.sleep(6.0)  # the fleet's router checks health every 5 s
+        after = [completion(stack.url, f"after {i}", max_tokens=4) for i in range(4)]
+        assert all(r["choices"][0]["finish_reason"] == "length" for r in after)
+        assert f"instance 0 exited with -{int(signal.SIGKILL)}" in stack.log()
