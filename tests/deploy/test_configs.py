@@ -4,6 +4,7 @@ chart overlay and kubernetes-validate --strict for what it renders."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -23,6 +24,7 @@ PROFILES = {
     "split": SPLIT,
     "split-tcp": {f"{s}-tcp" for s in SPLIT},
     "monitoring": {"prometheus", "grafana"},
+    "fleet": {"replica-1", "replica-2", "router"},
 }
 
 
@@ -191,3 +193,16 @@ def test_the_schema_refuses_a_bad_topology() -> None:
         timeout=60,
     )
     assert done.returncode != 0 and "topology" in done.stderr
+
+
+def test_the_fleet_router_names_every_replica_and_each_publishes_kv_events() -> None:
+    services = compose()["services"]
+    command = services["router"]["command"]
+    urls = command[command.index("--worker-urls") + 1 : command.index("--worker-urls") + 3]
+    assert urls == ["http://replica-1:8000", "http://replica-2:8000"]
+    assert "--policy=kv_aware" in command
+    for name in ("replica-1", "replica-2"):
+        events = json.loads(services[name]["environment"]["TANDEM_KV_EVENTS_CONFIG"])
+        assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+        # a bind address: the router resolves it to the replica's host from its URL
+        assert events["endpoint"].startswith("tcp://*:")
