@@ -81,11 +81,10 @@ def test_prometheus_scrapes_every_deployment_that_serves_http() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     targets = {t for group in job["static_configs"] for t in group["targets"]}
-    serving = {
-        f"{name}:8000"
-        for name, s in compose()["services"].items()
-        if ":8000" in str(s.get("ports"))
-    }
+    services = compose()["services"]
+    tandem = {n: s for n, s in services.items() if "vllm-router" not in str(s.get("entrypoint"))}
+    serving = {f"{name}:8000" for name, s in tandem.items() if ":8000" in str(s.get("ports"))}
+    serving |= {f"{name}:8000" for name, s in tandem.items() if "fleet" in s.get("profiles", [])}
     assert targets == serving
 
 
@@ -110,6 +109,7 @@ OVERLAYS = {
     "decode+prefill": ["values-decode.yaml", "values-prefill.yaml"],
     "decode": ["values-decode.yaml"],
     "prefill": ["values-prefill.yaml"],
+    "fleet": ["values-fleet.yaml"],
 }
 EVERYTHING = [
     "apiKeys.keys={key-one-0001,key-two-0002}",
@@ -144,7 +144,7 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
     run(*lint)
     docs = render(files, sets)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("Deployment") == (2 if overlay == "decode+prefill" else 1)
+    assert kinds.count("Deployment") == (2 if overlay in ("decode+prefill", "fleet") else 1)
     # ServiceMonitor is a CRD (Prometheus Operator): not in the core schemas.
     core = [d for d in docs if d["kind"] != "ServiceMonitor"]
     manifest = tmp_path / "rendered.yaml"
@@ -152,12 +152,18 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
     run(venv_tool("kubernetes-validate"), "--strict", str(manifest))
     if extras:
         assert "ServiceMonitor" in kinds and "Secret" in kinds
-        assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split"))
+        assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split", "fleet"))
     (config,) = (d for d in docs if d["kind"] == "ConfigMap")
     gpu = "gpu.enabled=true" in extras
     if overlay == "split":  # GPU workers cannot share KV through /dev/shm: loopback TCP
         assert config["data"]["TANDEM_KV_TRANSFER"] == ("tcp" if gpu else "shm")
-    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+    routers = [
+        d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "router"
+    ]
+    assert bool(routers) == (overlay == "fleet")
+    if routers:
+        check_router(routers, config, docs)
+    for deployment in (d for d in docs if d["kind"] == "Deployment" and d not in routers):
         shutdown_s = int(config["data"]["TANDEM_SHUTDOWN_TIMEOUT"])
         check_pod(deployment["spec"]["template"]["spec"], gpu, shutdown_s)
 
@@ -183,6 +189,39 @@ def check_pod(pod: dict[str, Any], gpu: bool, shutdown_s: int) -> None:
         pause = api["lifecycle"]["preStop"]["exec"]["command"]  # leave the Service first
         assert pause[0] == "sleep"
         assert pod["terminationGracePeriodSeconds"] >= int(pause[1]) + shutdown_s
+
+
+def check_router(
+    routers: list[dict[str, Any]], config: dict[str, Any], docs: list[dict[str, Any]]
+) -> None:
+    """The router finds this release's serving pods by discovery, may list pods (and
+    nothing more), and the replicas publish the KV events its kv_aware policy reads."""
+    kinds = sorted(d["kind"] for d in routers)
+    assert kinds == [
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    ]
+    (deployment,) = (d for d in routers if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (role,) = (d for d in routers if d["kind"] == "Role")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert pod["serviceAccountName"] == role["metadata"]["name"]
+    (router,) = pod["containers"]
+    args = router["args"]
+    assert "--service-discovery" in args and "--policy=kv_aware" in args
+    selector = args[args.index("--selector") + 1 : args.index("--selector") + 4]
+    (server,) = (d for d in docs if d["kind"] == "Deployment" and d not in routers)
+    labels = server["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in (s.split("=", 1) for s in selector))
+    events = json.loads(config["data"]["TANDEM_KV_EVENTS_CONFIG"])
+    assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5557"
+    assert router["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def test_the_schema_refuses_a_bad_topology() -> None:
