@@ -68,6 +68,7 @@ ROUTE_PATHS = frozenset(
         "/openapi.json",
         "/reset_prefix_cache",
         "/get_server_info",
+        "/get_load",
         "/kv_event_sources",
     }
 )
@@ -280,7 +281,10 @@ def create_app(
                 Route(f"{path}/render", drivers[path].render, methods=["POST"])
                 for path in RENDERED_ROUTES
             ),
-            *instance_routes(instance or InstanceInfo(service.served_model_name, 16)),
+            *instance_routes(
+                instance or InstanceInfo(service.served_model_name, 16),
+                lambda: service.client.stats.num_running + service.client.stats.num_waiting,
+            ),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

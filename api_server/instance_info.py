@@ -3,6 +3,7 @@ without being told them (Kubernetes service discovery, ``--worker-urls`` alone).
 
 ``GET /get_server_info``: the model's identity and the KV block size (the router splits a
 prompt into blocks of this many tokens to match them against the events).
+``GET /get_load``: requests running and waiting (the router's ``power_of_two`` polls it).
 ``GET /kv_event_sources``: per publishing rank (here: per block pool), its endpoints as
 vLLM's ``KVEventsConfig`` names them, with the wire format declared (``publisher`` zmq,
 ``encoding`` msgpack, ``schema_version`` 1); a bind address ``tcp://*:P`` the router
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,14 +58,18 @@ class InstanceInfo:
         return sources
 
 
-def instance_routes(info: InstanceInfo) -> list[Route]:
+def instance_routes(info: InstanceInfo, load: Callable[[], int]) -> list[Route]:
     async def server_info(request: Request) -> Response:
         return JSONResponse(info.server_info())
 
     async def kv_event_sources(request: Request) -> Response:
         return JSONResponse(info.event_sources())
 
+    async def get_load(request: Request) -> Response:
+        return JSONResponse({"load": load()})
+
     return [
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
     ]

@@ -122,6 +122,7 @@ def test_instances_describe_their_event_sources(fleet: tuple[TandemStack, list[s
     info = httpx.get(f"{url}/get_server_info").json()
     assert info["model_id"] == MODEL and info["kv_block_size"] == 16
     assert info["instance_id"] != httpx.get(f"{other}/get_server_info").json()["instance_id"]
+    assert httpx.get(f"{url}/get_load").json() == {"load": 0}  # power_of_two reads it
     (source,) = httpx.get(f"{url}/kv_event_sources").json().values()
     assert (source["publisher"], source["encoding"], source["schema_version"]) == (
         "zmq",
