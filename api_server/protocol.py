@@ -31,8 +31,13 @@ class _Body(BaseModel):
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted names of fields no schema declares, at any depth."""
-    names = [prefix + name for name in (model.model_extra or {})]
+    """Dotted names of fields no schema declares, at any depth. One sent at an off value
+    (null or false) is not counted: it asks for nothing, and routers add some to every
+    request (vllm-router: ``no_stop_trim: false``, ``return_hidden_states: false``)."""
+    extra = model.model_extra or {}
+    names = [
+        prefix + name for name, value in extra.items() if value is not None and value is not False
+    ]
     for name in type(model).model_fields:
         value = getattr(model, name)
         items = value if isinstance(value, list) else [value]

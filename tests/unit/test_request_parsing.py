@@ -41,6 +41,12 @@ def test_unknown_fields_are_found_at_every_depth() -> None:
     assert req.ignored_fields() == ["store", *unknown_fields(req)]
 
 
+def test_unknown_fields_at_an_off_value_ask_for_nothing() -> None:
+    """vllm-router adds SGLang's ``no_stop_trim: false`` to every request it forwards."""
+    req = chat(no_stop_trim=False, return_hidden_states=None, separate_reasoning=True, n_x=0)
+    assert unknown_fields(req) == ["separate_reasoning", "n_x"]
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
