@@ -36,6 +36,7 @@ ROUTER_POLICIES = (
     "consistent_hash",
     "sticky_least_loaded",
 )
+_ROUTER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _START_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 30.0
 
@@ -120,6 +121,8 @@ def plan_fleet(
         "--prometheus-port",
         str(free_tcp_port()),
     ]
+    if config.server.log_level.lower() in _ROUTER_LOG_LEVELS:  # the instances' level
+        router_args += ["--log-level", config.server.log_level.lower()]
     if policy == "kv_aware":  # the router refuses event sources under other policies
         for inst in instances:
             router_args += ["--kv-event-source", f"{inst.url}={inst.events}"]
