@@ -2,7 +2,10 @@
 
 1. The bytes alone, in-process, SmolLM2's KV layout (30 layers, 3 KV heads of 64, bf16):
    a plain memcpy of one request's KV, and the TCP path end to end (copy the blocks out,
-   CRC-32, ZeroMQ over loopback, check, write into the receiver's blocks), in GB/s.
+   XXH3 checksum, ZeroMQ over loopback, check, write into the receiver's blocks), in GB/s,
+   sender and receiver each with its own ZeroMQ context (as in two processes); and the
+   wire alone (the same bytes over a bare ZeroMQ PUSH/PULL and a bare TCP socket), the
+   ceiling the hand-off runs under on this host.
    ``shm`` between pools of equal widths moves no bytes at all: its cost is bookkeeping.
    Between a prefill pool at TP 2 and a decode pool at TP 1 it re-shards: the decode
    rank copies the heads out of both prefill ranks' shared-memory caches (``KVPuller``).
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -60,9 +65,10 @@ def tcp_s(tokens: int, repeats: int) -> float:
     """Sender copy-out + wire + receiver check and write, until the receiver reports."""
     blocks = -(-tokens // BLOCK)
     ctx: zmq.Context[Any] = zmq.Context()
+    sender_ctx: zmq.Context[Any] = zmq.Context()  # its own I/O thread, as in another process
     src, dst = caches(blocks), [c.clone().zero_() for c in caches(blocks)]
     receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0")
-    sender = KVSender(ctx, BLOCK)
+    sender = KVSender(sender_ctx, BLOCK)
     ids = list(range(blocks))
     times = []
     try:
@@ -80,7 +86,56 @@ def tcp_s(tokens: int, repeats: int) -> float:
         sender.close()
         receiver.close()
         ctx.term()
+        sender_ctx.term()
     return statistics.median(times)
+
+
+def wire_s(tokens: int, repeats: int) -> tuple[float, float]:
+    """The same bytes, one frame per layer, over a bare ZeroMQ PUSH/PULL (received into
+    one buffer) and over a bare TCP socket: the loopback's ceiling for the hand-off."""
+    size = kv_bytes(tokens)
+    per = size // LAYERS
+    frames = [torch.ones(per, dtype=torch.uint8).numpy().data for _ in range(LAYERS)]
+    into = torch.empty(size, dtype=torch.uint8).numpy()
+    contexts: list[zmq.Context[Any]] = [zmq.Context(), zmq.Context()]
+    pull = contexts[0].socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = contexts[1].socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    zmq_times = []
+    for _ in range(repeats + 1):  # the first connects
+        start = time.perf_counter()
+        push.send_multipart([b"h", *frames], copy=False)
+        pull.recv()
+        for layer in range(LAYERS):
+            pull.recv_into(into[layer * per : (layer + 1) * per].data)
+        zmq_times.append(time.perf_counter() - start)
+    push.close(linger=0)
+    pull.close(linger=0)
+    for ctx in contexts:
+        ctx.term()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    socket_times = []
+    view = into.data
+
+    def write_all() -> None:
+        for frame in frames:
+            client.sendall(frame)
+
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        writer = threading.Thread(target=write_all)
+        writer.start()
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:], size - got)
+        writer.join()
+        socket_times.append(time.perf_counter() - start)
+    for sock in (client, conn, server):
+        sock.close()
+    return statistics.median(zmq_times[1:]), statistics.median(socket_times[1:])
 
 
 def reshard_pull_s(tokens: int, repeats: int) -> float:
@@ -140,19 +195,30 @@ def main() -> None:
         size = kv_bytes(tokens)
         copy, wire = memcpy_s(tokens, args.repeats), tcp_s(tokens, args.repeats)
         pull = reshard_pull_s(tokens, args.repeats)
+        bare_zmq, bare_socket = wire_s(tokens, args.repeats)
         results.append(
-            {"tokens": tokens, "bytes": size, "memcpy_s": copy, "tcp_s": wire, "pull_s": pull}
+            {
+                "tokens": tokens,
+                "bytes": size,
+                "memcpy_s": copy,
+                "tcp_s": wire,
+                "pull_s": pull,
+                "bare_zmq_s": bare_zmq,
+                "bare_socket_s": bare_socket,
+            }
         )
         rows.append(
             [
                 tokens, f"{size / 2**20:.1f}", f"{1000 * copy:.2f}", f"{size / copy / 1e9:.1f}",
                 f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}", "0 bytes moved",
                 f"{1000 * pull:.1f}", f"{size / pull / 1e9:.2f}",
+                f"{size / bare_zmq / 1e9:.2f}", f"{size / bare_socket / 1e9:.2f}",
             ]
         )  # fmt: skip
     print(f"\nKV bytes of one request (SmolLM2 layout, {DTYPE}), {args.repeats} repeats, medians\n")
     header = ["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp ms", "tcp GB/s", "shm"]
-    print_table([*header, "shm TP2->1 ms", "shm TP2->1 GB/s"], rows)
+    ceiling = ["bare zmq GB/s", "bare socket GB/s"]
+    print_table([*header, "shm TP2->1 ms", "shm TP2->1 GB/s", *ceiling], rows)
     served: dict[str, Any] = {}
     if not args.skip_servers:
         split = (

@@ -3,14 +3,16 @@
 The prefill worker's ``KVSender``: told to send a transfer (``KVSend``), it copies the
 blocks out of its caches at the start of its next step (so they can be freed and reused
 at once) and a thread streams them to the decode worker while the step runs: one
-ZeroMQ multipart message, a header (transfer id, block count, bytes, CRC-32) then one
-frame per layer.
+ZeroMQ multipart message, a header (transfer id, block count, bytes, XXH3-64 checksum)
+then one frame per layer, sent without a copy out of a reused staging buffer
+(``worker/kv_staging.py`` says what the copies cost and why).
 
 The decode worker's ``KVReceiver`` binds a PULL socket; its thread checks each transfer
 against what the engine said would land (``KVReceive``: block ids and their generations)
 and its checksum, then writes it into those blocks. A transfer can arrive before the
 engine's word (it is then held, bounded) or after the engine cancelled it (it is
-dropped); a cancel and a write never race (one lock). Results go back to the engine with
+dropped); a cancel and a write never race (one lock). Frames are received straight into a reused staging buffer, checked, and copied
+into the blocks. Results go back to the engine with
 the worker's next step, or at once when it is idle.
 
 (With ``--kv-transfer shm`` nothing here runs: both pools map the same KV memory.)
@@ -22,8 +24,6 @@ import contextlib
 import logging
 import queue
 import threading
-import warnings
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ import zmq
 
 from common.messages import KVReceive, KVSend, KVTransferResult
 from worker.kv_reshard import KVLayout, gather_heads, heads_for
+from worker.kv_staging import StagingPool, checksum, copy_in, copy_out, row_bytes
 from worker.parallel import TensorParallel
 
 Secure = Callable[[zmq.Socket[Any]], None]  # makes a socket a Curve server or client
@@ -75,7 +76,7 @@ class _Header(msgspec.Struct, array_like=True):
     transfer_id: str
     num_blocks: int
     num_bytes: int
-    crc32: int
+    checksum: int  # XXH3-64 of the frames
 
 
 def _block_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -92,20 +93,6 @@ def gather_blocks(caches: list[torch.Tensor], blocks: list[int]) -> torch.Tensor
     for layer, cache in enumerate(caches):
         torch.index_select(_block_rows(cache), 1, index, out=out[layer])
     return out
-
-
-def scatter_layer(cache: torch.Tensor, rows: torch.Tensor, blocks: list[int]) -> None:
-    """Write one layer's ``[2, len(blocks), row]`` (host memory off the wire) into
-    ``blocks`` of its cache, on whichever device the cache is."""
-    index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-    _block_rows(cache).index_copy_(1, index, rows.to(cache.device))
-
-
-def _crc32(frames: list[memoryview]) -> int:
-    crc = 0
-    for frame in frames:
-        crc = zlib.crc32(frame, crc)
-    return crc
 
 
 @dataclass(frozen=True)
@@ -133,7 +120,12 @@ class KVSender:
         self._secure = secure  # a Curve client (--curve-keys): the receiver admits only it
         self._reshard = reshard
         # Per transfer: (destination, its bytes), one per decode rank.
-        self._work: queue.Queue[tuple[str, list[tuple[str, torch.Tensor]]] | None] = queue.Queue()
+        # (``staged``: the bytes are a staging buffer, to reuse once on the wire).
+        self._work: queue.Queue[tuple[str, list[tuple[str, torch.Tensor]], bool] | None] = (
+            queue.Queue()
+        )
+        self._staging = StagingPool()  # one rank's unresharded bytes, reused once sent
+        self._sent: zmq.MessageTracker | None = None  # the last send's (sender thread)
         self._failures: queue.Queue[KVTransferResult] = queue.Queue()
         self._cancelled = _Cancelled()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
@@ -143,10 +135,17 @@ class KVSender:
         """Copy the order's blocks now; the bytes leave from the sender thread. With
         tensor parallelism every prefill rank calls this in the same step (a collective)
         and rank 0 sends each decode rank its heads."""
-        payload = gather_blocks(caches, order.block_ids)
         reshard = self._reshard
-        if reshard is None:
-            self._work.put((order.transfer_id, [(order.destinations[0], payload.cpu())]))
+        if reshard is None and caches[0].device.type == "cpu":
+            n = len(order.block_ids)
+            staged = self._staging.take(len(caches) * 2 * n * row_bytes(caches[0]))
+            staged = staged.view(len(caches), 2, n, -1)
+            copy_out(caches, order.block_ids, staged)
+            self._work.put((order.transfer_id, [(order.destinations[0], staged)], True))
+            return
+        payload = gather_blocks(caches, order.block_ids)
+        if reshard is None:  # a GPU's blocks: to the host once
+            self._work.put((order.transfer_id, [(order.destinations[0], payload.cpu())], False))
             return
         full = gather_heads(payload, reshard.tp, reshard.source, self._block_size)
         if full is None:
@@ -159,7 +158,7 @@ class KVSender:
             (address, heads_for(full, reshard.dest.heads(rank)).cpu())
             for rank, address in enumerate(order.destinations)
         ]
-        self._work.put((order.transfer_id, pieces))
+        self._work.put((order.transfer_id, pieces, False))
 
     def cancel(self, transfer_id: str) -> None:
         self._cancelled.add(transfer_id)  # not yet sent: skipped
@@ -176,13 +175,24 @@ class KVSender:
 
     def _run(self) -> None:
         sockets: dict[str, zmq.Socket[bytes]] = {}
+        # Staging buffers the sockets still hold (zero-copy frames), until on the wire.
+        on_wire: list[tuple[zmq.MessageTracker, torch.Tensor]] = []
         while (item := self._work.get()) is not None:
-            transfer_id, pieces = item
+            transfer_id, pieces, staged = item
             if self._cancelled.take(transfer_id):
                 continue
             for destination, payload in pieces:
                 if not self._send(sockets, transfer_id, destination, payload):
                     break
+            if staged and self._sent is not None:
+                on_wire.append((self._sent, pieces[0][1]))
+            held = []
+            for tracker, buffer in on_wire:
+                if tracker.done:
+                    self._staging.give(buffer)
+                else:
+                    held.append((tracker, buffer))
+            on_wire = held
         for sock in sockets.values():
             sock.close()
 
@@ -194,6 +204,7 @@ class KVSender:
         payload: torch.Tensor,
     ) -> bool:
         """Stream one decode rank's part; False if it failed (the transfer has)."""
+        self._sent = None
         try:
             sock = sockets.get(destination)
             if sock is None:
@@ -206,8 +217,10 @@ class KVSender:
                 sockets[destination] = sock
             frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
             num_bytes = sum(f.nbytes for f in frames)
-            header = _Header(transfer_id, payload.shape[2], num_bytes, _crc32(frames))
-            sock.send_multipart([msgspec.msgpack.encode(header), *frames], copy=False)
+            header = _Header(transfer_id, payload.shape[2], num_bytes, checksum(frames))
+            self._sent = sock.send_multipart(
+                [msgspec.msgpack.encode(header), *frames], copy=False, track=True
+            )
         except Exception as e:  # a broken destination fails this transfer, not the worker
             logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
             self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
@@ -235,7 +248,12 @@ class KVReceiver:
         self._caches = caches
         self._lock = threading.Lock()
         self._expected: dict[str, KVReceive] = {}
-        self._early: OrderedDict[str, tuple[_Header, list[zmq.Frame]]] = OrderedDict()
+        # Transfers here before the engine's word: header, staged bytes (None: malformed), why.
+        self._early: OrderedDict[str, tuple[_Header, torch.Tensor | None, str | None]] = (
+            OrderedDict()
+        )
+        self._staging = StagingPool()
+        self._row_bytes = row_bytes(caches[0])
         self._cancelled = _Cancelled()
         self._results: queue.Queue[KVTransferResult] = queue.Queue()
         self._sock = ctx.socket(zmq.PULL)
@@ -268,7 +286,9 @@ class KVReceiver:
         """Drop the transfer, whenever its bytes come. Returns once no write is under way."""
         with self._lock:
             self._expected.pop(transfer_id, None)
-            self._early.pop(transfer_id, None)
+            early = self._early.pop(transfer_id, None)
+            if early is not None:
+                self._give(early[1])
             self._cancelled.add(transfer_id)
 
     def take_results(self) -> list[KVTransferResult]:
@@ -288,39 +308,77 @@ class KVReceiver:
         while not self._stop.is_set():
             if not self._sock.poll(100):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
+            head = self._sock.recv()
             try:
-                header = decoder.decode(frames[0].bytes)
+                header = decoder.decode(head)
             except msgspec.DecodeError:
+                self._drain()
                 logger.warning("dropped an undecodable KV transfer frame")
                 continue
+            staged, error = self._receive(header)
             with self._lock:
                 if self._cancelled.take(header.transfer_id):
+                    self._give(staged)
                     continue
                 order = self._expected.pop(header.transfer_id, None)
                 if order is None:
-                    self._early[header.transfer_id] = (header, frames[1:])
+                    self._early[header.transfer_id] = (header, staged, error)
                     while len(self._early) > _EARLY_LIMIT:
-                        dropped, _ = self._early.popitem(last=False)
+                        dropped, (_, held, _) = self._early.popitem(last=False)
+                        self._give(held)
                         logger.warning("dropped KV transfer %s: never expected", dropped)
                     continue
-                self._land(order, header, frames[1:])
+                self._land(order, header, staged, error)
 
-    def _land(self, order: KVReceive, header: _Header, frames: list[zmq.Frame]) -> None:
+    def _receive(self, header: _Header) -> tuple[torch.Tensor | None, str | None]:
+        """The header's layer frames, straight into a staging buffer ``[layers, 2,
+        blocks, row]``; or None and why, when they are not the sizes it announced."""
+        layers, row = len(self._caches), self._row_bytes
+        per_layer = 2 * header.num_blocks * row
+        if header.num_blocks < 1 or header.num_bytes != layers * per_layer:
+            self._drain()
+            return (
+                None,
+                f"{header.num_bytes} bytes for {header.num_blocks} blocks x {layers} layers",
+            )
+        staged = self._staging.take(header.num_bytes).view(layers, 2, header.num_blocks, row)
+        flat = staged.view(layers, -1)
+        for layer in range(layers):
+            got = self._sock.recv_into(flat[layer].numpy().data) if self._more() else 0
+            if got != per_layer:
+                self._drain()
+                self._staging.give(staged)
+                return None, f"layer {layer}: {got} bytes, not {per_layer}"
+        if self._more():
+            self._drain()
+            self._staging.give(staged)
+            return None, f"more frames than {layers} layers"
+        return staged, None
+
+    def _more(self) -> bool:
+        return bool(self._sock.getsockopt(zmq.RCVMORE))
+
+    def _drain(self) -> None:
+        while self._more():
+            self._sock.recv()
+
+    def _give(self, staged: torch.Tensor | None) -> None:
+        if staged is not None:
+            self._staging.give(staged)
+
+    def _land(
+        self, order: KVReceive, header: _Header, staged: torch.Tensor | None, error: str | None
+    ) -> None:
         """Check and write one transfer (the lock is held)."""
-        views = [f.buffer for f in frames]
-        error = None
-        if header.num_blocks != len(order.block_ids) or len(views) != len(self._caches):
-            error = f"expected {len(order.block_ids)} blocks x {len(self._caches)} layers"
-        elif sum(v.nbytes for v in views) != header.num_bytes or _crc32(views) != header.crc32:
-            error = "checksum mismatch: the KV arrived damaged"
-        if error is None:
-            dtype = self._caches[0].dtype
-            with warnings.catch_warnings():  # read-only frames: read, never written
-                warnings.simplefilter("ignore", UserWarning)
-                for cache, view in zip(self._caches, views, strict=True):
-                    rows = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
-                    scatter_layer(cache, rows.view(2, header.num_blocks, -1), order.block_ids)
+        if error is None and header.num_blocks != len(order.block_ids):
+            error = f"{header.num_blocks} blocks came for {len(order.block_ids)}"
+        if error is None and staged is not None:
+            views = [memoryview(layer.reshape(-1).numpy().data) for layer in staged]
+            if checksum(views) != header.checksum:
+                error = "checksum mismatch: the KV arrived damaged"
+            else:
+                copy_in(self._caches, staged, order.block_ids)
+        self._give(staged)
         self._results.put(
             KVTransferResult(order.transfer_id, error is None, error, header.num_bytes)
         )
