@@ -94,12 +94,11 @@ class StagingPool:
         self._max_bytes = max_bytes
 
     def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buffer = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buffer)
-                return buffer[:nbytes]
+        with self._lock:  # the free list is sorted by size: the first that fits
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    del self._free[i]  # by position: == on tensors compares their elements
+                    return buffer[:nbytes]
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:

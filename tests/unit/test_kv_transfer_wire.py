@@ -59,6 +59,11 @@ def test_the_staging_pool_reuses_the_smallest_buffer_that_fits() -> None:
     assert again.untyped_storage().data_ptr() == small.untyped_storage().data_ptr()
     assert again.numel() == 50
     assert pool.take(900).untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+    held = [pool.take(size) for size in (300, 10, 600)]
+    for buffer in held:  # several of different sizes free at once
+        pool.give(buffer)
+    taken = [pool.take(size) for size in (500, 5, 200)]
+    assert [t.untyped_storage().nbytes() for t in taken] == [600, 10, 300]
 
 
 Wire = tuple[
