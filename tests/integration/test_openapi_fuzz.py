@@ -15,6 +15,7 @@ from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 from schemathesis.core.transport import Response
 
+from api_server.app import RENDERED_ROUTES
 from tests.stack import TandemStack
 
 EXAMPLES_PER_MODE = 25
@@ -29,7 +30,8 @@ def small(smollm2_dir: Path) -> Iterator[TandemStack]:
 def test_openapi_document_lists_every_route(small: TandemStack) -> None:
     doc = httpx.get(f"{small.url}/openapi.json").json()
     assert doc["openapi"].startswith("3.")
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize"):
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize")
+    for path in (*paths, *(f"{route}/render" for route in RENDERED_ROUTES)):
         assert "post" in doc["paths"][path]
     completion = doc["components"]["schemas"]["CompletionRequest"]
     # Unknown fields are served and reported (vLLM's way; --strict-request-fields refuses them).
@@ -72,10 +74,12 @@ def test_fuzzed_requests_never_get_a_server_error(small: TandemStack, mode: Gene
             continue  # no parameters: nothing invalid to generate
         seen[f"{operation.method.upper()} {operation.path}"] = fuzz(operation, mode, small.url)
     if mode == GenerationMode.POSITIVE:  # valid bodies were served, not only refused
-        assert len(seen) == 10, seen
+        assert len(seen) == 12, seen
+        for route in RENDERED_ROUTES:  # the prompt's token ids, for a router
+            assert 200 in seen[f"POST {route}/render"], seen
         for route in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
             assert 200 in seen[f"POST {route}"], seen
     else:  # invalid bodies were refused
-        assert len(seen) == 5, seen
+        assert len(seen) == 7, seen
         assert {422, 400} & seen["POST /v1/completions"], seen
     assert httpx.get(f"{small.url}/health").status_code == 200
