@@ -37,6 +37,7 @@ from api_server.instance_info import InstanceInfo, instance_routes
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
+from common.config import CacheConfig
 from common.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ def create_app(
                 for path in RENDERED_ROUTES
             ),
             *instance_routes(
-                instance or InstanceInfo(service.served_model_name, 16),
+                instance or InstanceInfo(service.served_model_name, CacheConfig().block_size),
                 lambda: service.client.stats.num_running + service.client.stats.num_waiting,
             ),
             Route("/tokenize", tokenize, methods=["POST"]),

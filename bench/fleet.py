@@ -19,9 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,10 +33,9 @@ from bench.harness import (
     percentile,
     print_table,
     stream,
-    wait_healthy,
+    tandem_process,
     write_results,
 )
-from common.process import dies_with_this_process
 
 WORDS = [
     "amber",
@@ -67,34 +63,17 @@ def system_prompt(tenant: int, num_words: int) -> str:
 @contextlib.contextmanager
 def fleet(replicas: int, policy: str, blocks: int) -> Iterator[tuple[str, list[str]]]:
     """``tandem fleet`` (the router's URL, the instances' URLs)."""
-    port, base, events = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "common.cli", "fleet", "--port", str(port)]
-    cmd += ["--replicas", str(replicas), "--policy", policy, "--instance-base-port", str(base)]
-    cmd += ["--kv-events-base-port", str(events), "--worker-threads", "1", "--log-level", "warning"]
-    cmd += ["--num-kv-blocks", str(blocks)]
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, "tandem fleet", 600)
+    base, events = free_port(), free_port()
+    flags = ["--replicas", str(replicas), "--policy", policy, "--instance-base-port", str(base)]
+    flags += ["--kv-events-base-port", str(events), "--worker-threads", "1"]
+    with tandem_process(*flags, "--num-kv-blocks", str(blocks), command="fleet") as (url, _):
         yield url, [f"http://127.0.0.1:{base + i}" for i in range(replicas)]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(90)
 
 
 @contextlib.contextmanager
 def single(blocks: int) -> Iterator[tuple[str, list[str]]]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--port", str(port)]
-    cmd += ["--worker-threads", "1", "--log-level", "warning", "--num-kv-blocks", str(blocks)]
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, "tandem serve", 300)
+    with tandem_process("--worker-threads", "1", "--num-kv-blocks", str(blocks)) as (url, _):
         yield url, [url]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 def cache_counts(instances: list[str]) -> tuple[int, int]:

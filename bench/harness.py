@@ -105,7 +105,9 @@ def tandem_server(*flags: str) -> Iterator[str]:
 
 
 @contextmanager
-def tandem_process(*flags: str, cwd: Path | None = None) -> Iterator[tuple[str, int]]:
+def tandem_process(
+    *flags: str, cwd: Path | None = None, command: str = "serve"
+) -> Iterator[tuple[str, int]]:
     """``tandem serve`` with these flags on a free port; yields its URL and the
     launcher's pid (the engine, worker and API server are its children). ``cwd``: the
     checkout whose code it runs (default: this one)."""
@@ -114,7 +116,7 @@ def tandem_process(*flags: str, cwd: Path | None = None) -> Iterator[tuple[str, 
         sys.executable,
         "-m",
         "common.cli",
-        "serve",
+        command,  # or "fleet": the port is then its router's
         "--port",
         str(port),
         "--log-level",
@@ -125,7 +127,7 @@ def tandem_process(*flags: str, cwd: Path | None = None) -> Iterator[tuple[str, 
     proc = subprocess.Popen(cmd, start_new_session=True, env=dies_with_this_process(), cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, "tandem serve", 300)
+        wait_healthy(url, proc, f"tandem {command}", 300)
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from common.config_checks import require
@@ -55,13 +55,11 @@ class KVEventsConfig:
 
     def for_pool(self, index: int) -> KVEventsConfig:
         """The endpoints of the ``index``-th pool publishing: tcp ports moved by ``index``."""
-        return KVEventsConfig(
-            **{
-                **{f.name: getattr(self, f.name) for f in fields(self)},
-                "endpoint": offset_port(self.endpoint, index),
-                "replay_endpoint": self.replay_endpoint
-                and offset_port(self.replay_endpoint, index),
-            }
+        replay = self.replay_endpoint
+        return replace(
+            self,
+            endpoint=offset_port(self.endpoint, index),
+            replay_endpoint=replay and offset_port(replay, index),
         )
 
 

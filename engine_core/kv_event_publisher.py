@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
 
 import msgspec
 import zmq
@@ -35,25 +34,10 @@ _POLL_S = 0.05
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class EventPublisher(Protocol):
-    def publish(self, events: list[Event]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullPublisher:
-    def publish(self, events: list[Event]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _open(sock: zmq.Socket[bytes], address: str) -> None:
     """Bind a wildcard, loopback or local-transport address; connect any other (to a
     proxy). vLLM's rule, with loopback added: a router on this host connects to it."""
-    local = address.startswith(("ipc://", "inproc://")) or is_private_address(address)
-    if "*" in address or "::" in address or local:
+    if "*" in address or "::" in address or is_private_address(address):  # ipc:// too
         sock.bind(address)
     else:
         sock.connect(address)
@@ -133,7 +117,8 @@ class ZmqEventPublisher:
 
 
 class KVEventStreams:
-    """One publisher per KV manager (pool), fed by the step loop after every step."""
+    """One publisher per KV manager (pool), fed by the step loop after every step; none
+    when events are off (the managers then record none either: ``topology.py``)."""
 
     def __init__(
         self,
@@ -141,14 +126,9 @@ class KVEventStreams:
         config: KVEventsConfig,
         managers: Sequence[KVCacheManager],
     ) -> None:
-        self._streams: list[tuple[KVCacheManager, EventPublisher]] = [
-            (
-                kv,
-                ZmqEventPublisher(ctx, config.for_pool(i), rank=i)
-                if config.enabled
-                else NullPublisher(),
-            )
-            for i, kv in enumerate(managers)
+        self._streams: list[tuple[KVCacheManager, ZmqEventPublisher]] = [
+            (kv, ZmqEventPublisher(ctx, config.for_pool(i), rank=i))
+            for i, kv in enumerate(managers if config.enabled else [])
         ]
 
     def flush(self) -> None:

@@ -11,9 +11,9 @@ The decode worker's ``KVReceiver`` binds a PULL socket; its thread checks each t
 against what the engine said would land (``KVReceive``: block ids and their generations)
 and its checksum, then writes it into those blocks. A transfer can arrive before the
 engine's word (it is then held, bounded) or after the engine cancelled it (it is
-dropped); a cancel and a write never race (one lock). Frames are received straight into a reused staging buffer, checked, and copied
-into the blocks. Results go back to the engine with
-the worker's next step, or at once when it is idle.
+dropped); a cancel and a write never race (one lock). Frames are received straight into
+a reused staging buffer, checked, and copied into the blocks. Results go back to the
+engine with the worker's next step, or at once when it is idle.
 
 (With ``--kv-transfer shm`` nothing here runs: both pools map the same KV memory.)
 """
@@ -125,7 +125,6 @@ class KVSender:
             queue.Queue()
         )
         self._staging = StagingPool()  # one rank's unresharded bytes, reused once sent
-        self._sent: zmq.MessageTracker | None = None  # the last send's (sender thread)
         self._failures: queue.Queue[KVTransferResult] = queue.Queue()
         self._cancelled = _Cancelled()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
@@ -182,10 +181,11 @@ class KVSender:
             if self._cancelled.take(transfer_id):
                 continue
             for destination, payload in pieces:
-                if not self._send(sockets, transfer_id, destination, payload):
+                tracker = self._send(sockets, transfer_id, destination, payload)
+                if tracker is None:
                     break
-            if staged and self._sent is not None:
-                on_wire.append((self._sent, pieces[0][1]))
+                if staged:
+                    on_wire.append((tracker, payload))
             held = []
             for tracker, buffer in on_wire:
                 if tracker.done:
@@ -202,9 +202,9 @@ class KVSender:
         transfer_id: str,
         destination: str,
         payload: torch.Tensor,
-    ) -> bool:
-        """Stream one decode rank's part; False if it failed (the transfer has)."""
-        self._sent = None
+    ) -> zmq.MessageTracker | None:
+        """Stream one decode rank's part: what tells when the socket lets go of its
+        frames, or None if it failed (the transfer has)."""
         try:
             sock = sockets.get(destination)
             if sock is None:
@@ -218,14 +218,13 @@ class KVSender:
             frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
             num_bytes = sum(f.nbytes for f in frames)
             header = _Header(transfer_id, payload.shape[2], num_bytes, checksum(frames))
-            self._sent = sock.send_multipart(
+            return sock.send_multipart(
                 [msgspec.msgpack.encode(header), *frames], copy=False, track=True
             )
         except Exception as e:  # a broken destination fails this transfer, not the worker
             logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
             self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
-            return False
-        return True
+            return None
 
 
 def _as_bytes(payload: torch.Tensor) -> list[torch.Tensor]:
