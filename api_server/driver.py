@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_server.errors import ApiError, ErrorFormat, error_response
 from api_server.generation import CompletionService, EngineRequestError, Piece, collect
 from api_server.http_util import caller_of, first_piece, json_body, key_id_of
+from api_server.kv_transfer_params import parse_kv_transfer_params
 from api_server.protocol import GenerationRequest, usage
 from common.messages import ModelInfo
 
@@ -233,6 +235,9 @@ class GenerationDriver:
                 f"{self.max_choices} choices per request",
                 param="n",
             )
+        kv_transfer = parse_kv_transfer_params(
+            req.kv_transfer_params, len(prompts) * req.n, req.stream
+        )
         request_id = client_request_id(request) or f"{fmt.id_prefix}{uuid.uuid4().hex}"
         gen = Generation(request_id, service.served_model_name, int(time.time()), req, [])
         for prompt in prompts:
@@ -247,6 +252,7 @@ class GenerationDriver:
                     j,
                     caller_of(request),
                     key_id_of(request),
+                    kv_transfer,
                 )
                 gen.choices.append(Choice(k, prompt, pieces))
         try:
@@ -265,7 +271,11 @@ class GenerationDriver:
         for c, first in zip(gen.choices, firsts, strict=True):
             c.collected = await collect(first, c.pieces)
         self._log_finished(gen)
-        return JSONResponse(fmt.body(gen), headers=headers)
+        body = fmt.body(gen)
+        lent = gen.choices[0].last.kv_transfer_params if gen.choices[0].last else None
+        if lent is not None:  # a prefill for a remote decode: where its KV waits
+            body["kv_transfer_params"] = msgspec.to_builtins(lent)
+        return JSONResponse(body, headers=headers)
 
     async def _stream(self, gen: Generation, firsts: list[Piece]) -> AsyncGenerator[str, None]:
         fmt = self.format

@@ -19,6 +19,7 @@ from api_server.errors import ApiError
 from api_server.metrics import Metrics
 from api_server.protocol import GenerationRequest, SamplingDefaults, finish_reason_text
 from api_server.rate_limit import RateLimiter
+from common.fleet_messages import KVTransferParams
 from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -27,13 +28,14 @@ logger = logging.getLogger(__name__)
 class EngineRequestError(Exception):
     """The engine refused or failed a request."""
 
-    def __init__(self, message: str, kind: ErrorKind | None) -> None:
+    def __init__(self, message: str, kind: ErrorKind | None, param: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.param = param
 
     def api_error(self) -> ApiError:
         if self.kind == ErrorKind.INVALID:
-            return ApiError(400, str(self))
+            return ApiError(400, str(self), param=self.param)
         if self.kind == ErrorKind.OVERLOADED:
             return ApiError(503, str(self), "server_error", code="queue_full")
         return ApiError(503, str(self), "server_error")
@@ -60,6 +62,8 @@ class Piece:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs]  # one per token id, when the request asked
     stop_string: str | None = None  # set on the last piece when a stop string ended it
+    # On the last piece of a request prefilled for a remote decode: where its KV waits.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionService:
@@ -149,6 +153,7 @@ class CompletionService:
         choice: int = 0,
         caller: str = "",
         owner: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
@@ -175,6 +180,7 @@ class CompletionService:
             priority=req.priority,
             cache_salt=req.cache_salt,
             owner=owner,
+            kv_transfer=kv_transfer,
         )
         logger.info(
             "[%s] %s: %d prompt tokens, max_tokens=%d, stream=%s",
@@ -240,7 +246,9 @@ class CompletionService:
             async for out in outputs:
                 if out.finish_reason == FinishReason.ERROR:
                     raise EngineRequestError(
-                        out.error or "the engine failed this request", out.error_kind
+                        out.error or "the engine failed this request",
+                        out.error_kind,
+                        out.error_param,
                     )
                 if out.new_token_ids:  # timed on arrival, before the client reads it
                     now = time.time()
@@ -270,6 +278,7 @@ class CompletionService:
                         num_cached,
                         pending_logprobs,
                         matcher.matched,
+                        out.kv_transfer_params,
                     )
                     pending_ids, pending_logprobs = [], []
                 if finish is not None:

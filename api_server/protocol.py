@@ -143,6 +143,8 @@ class GenerationRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # A fleet's prefill/decode split (vLLM's NixlConnector contract): api_server/kv_transfer_params.py.
+    kv_transfer_params: dict[str, Any] | None = None
     # OpenAI's parameters that change nothing here (INAPPLICABLE_OPENAI_FIELDS): declared,
     # so that --strict-request-fields refuses only fields nobody defines.
     store: Any = None

@@ -371,6 +371,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="this instance's part in a fleet's prefill/decode split, as vLLM: JSON with "
+        "kv_role (kv_producer, kv_consumer, kv_both), kv_ip, kv_port, engine_id, "
+        "kv_load_failure_policy, kv_connector_extra_config (docs/fleet.md)",
+    )
+    p.add_argument(
         "--kv-transfer-host",
         default="",
         help="tcp: the host prefill workers use to reach this decode worker (default: the "

@@ -295,12 +295,19 @@ class TandemConfig:
             ("--prefill-pool-address", d.prefill_pool_address),
             ("--decode-pool-address", d.decode_pool_address),
             ("--kv-transfer-address", d.kv_transfer_address),
+            ("--kv-transfer-config kv_ip", d.instance_kv.side_channel_address),
         ):
             require(
                 is_private_address(address) or self.addresses.expose_engine,
                 f"{flag} {address} listens beyond 127.0.0.1; pass --expose-engine "
                 "(with --curve-keys) to mean it",
             )
+
+        require(
+            not d.instance_kv.role.consumes or self.scheduler.enable_prefix_caching,
+            "--kv-transfer-config kv_role kv_consumer lands pulled KV as prefix-cache blocks: "
+            "it needs --enable-prefix-caching",
+        )
 
     @property
     def served_model_name(self) -> str:

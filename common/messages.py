@@ -22,6 +22,8 @@ The life of a request, and the module that handles each step:
    (sending an ``AbortRequests`` when one hits); ``api_server/app.py`` writes SSE
    chunks or the final JSON body.
 
+Between instances of a fleet's prefill/decode split: ``common/fleet_messages.py``.
+
 Wire rules: every struct is MessagePack, ``array_like`` (field order is the wire
 format), so fields are only ever appended, with defaults. A test pins the encoding.
 """
@@ -31,6 +33,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
+from common.fleet_messages import KVTransferParams
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -122,6 +126,8 @@ class EngineRequest(_Wire, tag=True):
     priority: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     owner: str | None = None  # the API key (by digest) that made it: it alone may cancel it
+    # A fleet's prefill/decode split: prefill it for a remote decode, or pull its KV.
+    kv_transfer: KVTransferParams | None = None
 
 
 class AbortRequests(_Wire, tag=True):
@@ -169,6 +175,9 @@ class RequestOutput(_Wire):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
     timings: RequestTimings | None = None  # on the last output of a finished request
+    # On the last output of a request prefilled for a remote decode: where its KV waits.
+    kv_transfer_params: KVTransferParams | None = None
+    error_param: str | None = None  # the request field an INVALID error is about
 
 
 class SchedulerStats(_Wire):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.config_checks import require
+from common.kv_transfer_config import KVRole, KVTransferConfig, parse_kv_transfer_config
 from common.messages import PoolRole
 
 KVTransfer = Literal["shm", "tcp"]
@@ -70,8 +71,17 @@ class DisaggConfig:
     kv_transfer_address: str = "tcp://127.0.0.1:0"
     kv_transfer_host: str = ""
     service_id: str = ""  # names the service's shared-memory segments; random when empty
+    # This instance's part in a fleet's prefill/decode split (vLLM's KVTransferConfig).
+    kv_transfer_config: str | None = None
 
     def __post_init__(self) -> None:
+        instance = parse_kv_transfer_config(self.kv_transfer_config)  # refused here
+        require(
+            instance.role is KVRole.NONE or (not self.split and self.tensor_parallel_size == 1),
+            "--kv-transfer-config makes one instance of a fleet's prefill/decode split: it "
+            "takes one unified pool at --tensor-parallel-size 1 (split pools hand KV over "
+            "inside one instance already)",
+        )
         require(
             self.prefill_workers >= 0 and self.decode_workers >= 0,
             "--prefill-workers and --decode-workers must not be negative",
@@ -121,6 +131,11 @@ class DisaggConfig:
             all(c.isalnum() or c in "-_" for c in self.service_id),
             "--service-id may hold only letters, digits, - and _",
         )
+
+    @property
+    def instance_kv(self) -> KVTransferConfig:
+        """This instance's part in a fleet's prefill/decode split."""
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     @property
     def split(self) -> bool:

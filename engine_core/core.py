@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from common.config import TandemConfig
+from common.fleet_messages import PeerMessage
 from common.messages import (
     EngineRequest,
     ErrorKind,
@@ -37,6 +38,7 @@ from common.messages import (
 from engine_core.executor import PoolEvents
 from engine_core.handoff import Handoff, NoHandoff, merge
 from engine_core.kv_cache import KVCacheManager
+from engine_core.remote_kv import NoRemoteKV, Outgoing, RemoteKV, role_refusal
 from engine_core.request import Request
 from engine_core.request_checks import request_error
 from engine_core.scheduler import ClientOutputs, Scheduler
@@ -76,6 +78,11 @@ class EngineCore:
     def handoff(self) -> Handoff:
         return self.topology.handoff if self.topology is not None else NoHandoff()
 
+    @property
+    def remote(self) -> RemoteKV | NoRemoteKV:
+        """This instance's part in a fleet's prefill/decode split."""
+        return self.topology.remote if self.topology is not None else NoRemoteKV()
+
     # ------------------------------------------------------------------ start
 
     def start(self) -> None:
@@ -106,15 +113,38 @@ class EngineCore:
             )
             return {message.client_id: [refusal]}
         request = Request.from_engine_request(message)
+        misplaced = role_refusal(self.remote.role, request)
+        if misplaced is not None:
+            why, param = misplaced
+            refusal = RequestOutput(
+                message.request_id,
+                [],
+                FinishReason.ERROR,
+                why,
+                ErrorKind.INVALID,
+                error_param=param,
+            )
+            return {message.client_id: [refusal]}
+        if request.remote_prefill:
+            return self.remote.add(request)
         error = self.topology.placement.place(request).add_request(request)
         return {} if error is None else {message.client_id: [error]}
 
-    def _locate(self, request_id: str) -> Scheduler | Handoff | None:
+    def deliver(self, peer: bytes, message: PeerMessage) -> ClientOutputs:
+        """A message from another instance's engine (a fleet's prefill/decode split)."""
+        return self.remote.deliver(peer, message) if self.ready else {}
+
+    def take_peer_outbox(self) -> list[Outgoing]:
+        """Messages for other instances' engines, for the side-channel thread to send."""
+        return self.remote.take_outbox()
+
+    def _locate(self, request_id: str) -> Scheduler | Handoff | RemoteKV | NoRemoteKV | None:
         for slot in self.slots.values():
             if request_id in slot.scheduler.requests:
                 return slot.scheduler
-        if request_id in self.handoff.in_flight:
-            return self.handoff
+        for between in (self.handoff, self.remote):
+            if request_id in between.in_flight:
+                return between
         return None
 
     def abort(self, request_ids: list[str]) -> ClientOutputs:
@@ -133,6 +163,7 @@ class EngineCore:
         cancel: its own, or any made without API keys."""
         requests = [r for slot in self.slots.values() for r in slot.scheduler.requests.values()]
         requests += self.handoff.in_flight.values()
+        requests += self.remote.in_flight.values()
         ids = [
             r.request_id
             for r in requests
@@ -161,7 +192,7 @@ class EngineCore:
     def step(self) -> StepResult:
         """Submit each pool's next batch if it has room, then poll every pool without
         waiting."""
-        out = self.handoff.tick()
+        out = merge(self.handoff.tick(), self.remote.tick())
         progressed = False
         for slot in self.slots.values():
             if slot.can_submit():
@@ -206,14 +237,14 @@ class EngineCore:
 
     def fail_all(self, reason: str, outcome: str = "worker_died") -> ClientOutputs:
         """End every request with an error (the engine is going down)."""
-        out = self.handoff.fail_all(reason, outcome)
+        out = merge(self.handoff.fail_all(reason, outcome), self.remote.fail_all(reason, outcome))
         for slot in self.slots.values():
             merge(out, slot.scheduler.fail_all(reason))
         return out
 
     @property
     def num_requests(self) -> int:
-        in_between = len(self.handoff.in_flight)
+        in_between = len(self.handoff.in_flight) + len(self.remote.in_flight)
         return in_between + sum(len(s.scheduler.requests) for s in self.slots.values())
 
     # ------------------------------------------------------------------ figures
@@ -252,4 +283,4 @@ class EngineCore:
         )
 
     def transfer_stats(self) -> KVTransferStats | None:
-        return self.handoff.snapshot()
+        return self.handoff.snapshot() or self.remote.snapshot()

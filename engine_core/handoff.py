@@ -73,8 +73,8 @@ class Orders:
 class HandoffStats:
     """Outcome counters and the duration histogram, each hand-off counted once."""
 
-    def __init__(self) -> None:
-        self.outcomes = dict.fromkeys((*OUTCOMES, "local_prefill"), 0)
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self.outcomes = dict.fromkeys((*OUTCOMES, "local_prefill", *extra), 0)
         self.num_bytes = 0
         self._buckets = [0] * (len(KV_TRANSFER_BUCKETS_S) + 1)
         self._sum_s = 0.0

@@ -219,6 +219,18 @@ class KVCacheManager:
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
 
+    def lend(self, request_id: str, owner: str, num_blocks: int) -> list[int]:
+        """Give ``owner`` references of its own to the request's first ``num_blocks``
+        blocks (a lease: they outlive the request, which frees its own as usual); returns
+        them. ``free(owner)`` gives them back."""
+        if owner in self.req_to_blocks:
+            raise ValueError(f"{owner} already holds blocks")
+        blocks = self.blocks_of(request_id)[:num_blocks]
+        for block in blocks:
+            self.ref_counts[block] += 1
+        self.req_to_blocks[owner] = list(blocks)
+        return list(blocks)
+
     def rename(self, request_id: str, new_id: str) -> None:
         """Hand the request's block references to another owner id (blocks a worker may
         still be reading after the request has gone)."""

@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common.config import TandemConfig
 from common.curve import CurveKeys
+from common.fleet_messages import PeerMessage
 from common.ipc import Codec, make_socket, max_request_frame_bytes
 from common.messages import (
     AbortRequests,
@@ -45,6 +46,7 @@ from common.shm import ServiceLock, new_service_id, remove_stale
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerDied, WorkerPool
 from engine_core.kv_event_publisher import KVEventStreams
+from engine_core.kv_side_channel import KVSideChannel
 from engine_core.scheduler import ClientOutputs
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class EngineCoreProc:
         self.config = config
         # The claim on this service's shared-memory segments, released at shutdown.
         self._service = ServiceLock(runtime_dir, config.disagg.service_id or new_service_id())
-        self._inputs: queue.Queue[EngineInput] = queue.Queue()
+        self._inputs: queue.Queue[EngineInput | tuple[bytes, PeerMessage]] = queue.Queue()
         self._outputs: queue.Queue[tuple[bytes, EngineOutputs | EngineDead]] = queue.Queue()
         self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set by begin_drain
@@ -104,6 +106,8 @@ class EngineCoreProc:
             spec.role: WorkerPool(spec, config, runtime_dir) for spec in config.disagg.pool_specs()
         }
         self.core = EngineCore(config, self.pools)
+        self._side_wake: zmq.Socket[bytes] | None = None
+        self._side_channel = self._open_side_channel(keys)
         self._kv_events = KVEventStreams(self._ctx, config.cache.kv_events, [])  # at start
         self._poller = zmq.Poller()
         self._poller.register(self._wake, zmq.POLLIN)
@@ -113,6 +117,30 @@ class EngineCoreProc:
     @property
     def ready(self) -> bool:
         return self.core.ready
+
+    def _open_side_channel(self, keys: CurveKeys | None) -> KVSideChannel | None:
+        """A fleet's prefill/decode split: the socket to other instances' engines."""
+        instance = self.config.disagg.instance_kv
+        if not (instance.role.produces or instance.role.consumes):
+            return None
+        bind = instance.side_channel_address if instance.role.produces else None
+        wake = self._ctx.socket(zmq.PUSH)
+        wake.connect(_WAKE_ADDRESS)
+        wake_lock = threading.Lock()
+
+        def deliver(peer: bytes, message: PeerMessage) -> None:
+            self._inputs.put((peer, message))
+            with wake_lock, contextlib.suppress(zmq.Again):
+                wake.send(b"", zmq.NOBLOCK)
+
+        self._side_wake = wake
+        return KVSideChannel(
+            self._ctx,
+            bind,
+            deliver,
+            keys.make_server if keys else None,
+            keys.make_client if keys else None,
+        )
 
     # ------------------------------------------------------------------ step loop
 
@@ -131,6 +159,7 @@ class EngineCoreProc:
         while not self._stop.is_set():
             self._apply_inputs()
             result = self.core.step()
+            self._send_to_peers()
             self._kv_events.flush()
             if result.outputs:
                 self._emit(result.outputs)
@@ -190,6 +219,15 @@ class EngineCoreProc:
                 self._emit(self.core.cancel(message.request_id, message.owner))
             elif isinstance(message, ResetPrefixCache):
                 self.core.reset_prefix_cache()
+            elif isinstance(message, tuple):  # from another instance's engine
+                replied = self.core.deliver(*message)
+                if replied:
+                    self._emit(replied)
+
+    def _send_to_peers(self) -> None:
+        for to, message in self.core.take_peer_outbox():
+            if self._side_channel is not None:
+                self._side_channel.send(to, message)
 
     def _add_request(self, message: EngineRequest) -> None:
         logger.debug(
@@ -265,6 +303,10 @@ class EngineCoreProc:
         for pool in self.pools.values():
             pool.shutdown()
         self._kv_events.close()
+        if self._side_channel is not None:
+            self._side_channel.close()
+        if self._side_wake is not None:
+            self._side_wake.close(linger=0)
         self._wake.close()
         if self._auth is not None:
             self._auth.stop()

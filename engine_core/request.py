@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from common.fleet_messages import KVTransferParams
 from common.messages import EngineRequest, FinishReason, SamplingParams
 
 
@@ -28,6 +29,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         owner: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -55,6 +57,8 @@ class Request:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.handoff_started: float | None = None  # split pools: when the prompt was done
+        # A fleet's prefill/decode split: asks a remote decode, or brings remote KV.
+        self.kv_transfer = kv_transfer
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:
@@ -67,7 +71,18 @@ class Request:
             r.priority,
             r.cache_salt,
             r.owner,
+            r.kv_transfer,
         )
+
+    @property
+    def remote_decode(self) -> bool:
+        """Its blocks are to be lent to a decode instance once it finishes."""
+        return self.kv_transfer is not None and self.kv_transfer.do_remote_decode
+
+    @property
+    def remote_prefill(self) -> bool:
+        """Its prompt's KV is to be pulled from a prefill instance."""
+        return self.kv_transfer is not None and self.kv_transfer.do_remote_prefill
 
     @property
     def num_tokens(self) -> int:

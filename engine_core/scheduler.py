@@ -31,8 +31,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from common.config import SchedulerConfig
+from common.fleet_messages import KVTransferParams
 from common.messages import (
     CachedRequestData,
     ErrorKind,
@@ -58,6 +60,12 @@ logger = logging.getLogger(__name__)
 ClientOutputs = dict[bytes, list[RequestOutput]]
 
 
+class Lender(Protocol):
+    """Keeps a finished request's prompt blocks for a remote decode (``kv_leases.py``)."""
+
+    def hold(self, request: Request) -> KVTransferParams: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -66,8 +74,10 @@ class Scheduler:
         model: ModelInfo,
         clock: Callable[[], float] = time.monotonic,
         hands_off: bool = False,
+        lender: Lender | None = None,  # a prefill instance of a fleet's split
     ) -> None:
         self.config = config
+        self.lender = lender
         self.kv = kv
         self.model = model
         self._clock = clock
@@ -334,6 +344,8 @@ class Scheduler:
                 request.first_output_sent = True
                 request.first_token_time = self._clock()
             if reason is not None:
+                if request.remote_decode and self.lender is not None:  # before its blocks go
+                    out.kv_transfer_params = self.lender.hold(request)
                 self._finish(request, reason)
                 out.timings = self._timings(request)
             elif self.hands_off and request.num_output_tokens == 1:

@@ -24,6 +24,7 @@ from engine_core.handoff_pull import ShmCopyHandoff
 from engine_core.handoff_tcp import TcpHandoff
 from engine_core.kv_cache import KVCacheManager
 from engine_core.kv_events import KVEventLog, NoKVEvents
+from engine_core.remote_kv import NoRemoteKV, RemoteKV, unified_instance
 from engine_core.request import Request
 from engine_core.router import Router
 from engine_core.scheduler import Scheduler
@@ -93,6 +94,7 @@ class Topology:
     slots: dict[PoolRole, Slot]
     handoff: Handoff
     placement: Placement
+    remote: RemoteKV | NoRemoteKV = field(default_factory=NoRemoteKV)  # a fleet's split
 
     def kv_managers(self) -> list[KVCacheManager]:
         """Each KV manager once (split pools over shared memory share one)."""
@@ -119,9 +121,9 @@ def build_topology(
 
     mode = config.disagg.kv_mode
     if mode is KVMode.NONE:
-        scheduler = Scheduler(sched, manager(PoolRole.UNIFIED), first.model, clock)
-        slot = Slot(pools[PoolRole.UNIFIED], scheduler, depth=depth)
-        return Topology({PoolRole.UNIFIED: slot}, NoHandoff(), OnePool(scheduler))
+        scheduler, remote = unified_instance(config, manager(PoolRole.UNIFIED), first, clock)
+        slot = Slot(pools[PoolRole.UNIFIED], scheduler, remote.side, depth)
+        return Topology({PoolRole.UNIFIED: slot}, NoHandoff(), OnePool(scheduler), remote)
 
     disagg = config.disagg
     prefill_kv = manager(PoolRole.PREFILL)

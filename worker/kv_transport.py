@@ -1,7 +1,8 @@
 """A worker's end of the KV hand-off, chosen once (``kv_wiring.py``): ``NoTransport``
 (a unified pool, or split pools on one shared segment), ``SendTransport`` (the prefill
 side over TCP), ``ReceiveTransport`` (the decode side over TCP) or ``PullTransport`` (the
-decode side copying out of the prefill ranks' segments). The model runner applies each
+decode side copying out of the prefill ranks' segments), or, for an instance of a fleet's
+prefill/decode split, a sender, a receiver or ``SendReceiveTransport`` (both). The model runner applies each
 step's KV orders through it, collects the transfers that ended and closes it; it never
 asks which one it holds.
 """
@@ -101,6 +102,33 @@ class ReceiveTransport:
 
     def close(self) -> None:
         self.receiver.close()
+
+
+class SendReceiveTransport:
+    """An instance that both lends and pulls KV (``kv_role`` ``kv_both``): one sender
+    and one receiver, each given the orders of its kind."""
+
+    wakes_worker = True
+
+    def __init__(self, send: SendTransport, receive: ReceiveTransport) -> None:
+        self.send = send
+        self.receive = receive
+
+    @property
+    def address(self) -> str:
+        return self.receive.address
+
+    def apply(self, step: SchedulerOutput, caches: list[torch.Tensor]) -> list[str]:
+        # A cancel names a transfer of one side; the other has never heard of it.
+        self.receive.apply(step, caches)
+        return self.send.apply(step, caches)
+
+    def results(self) -> list[KVTransferResult]:
+        return [*self.send.results(), *self.receive.results()]
+
+    def close(self) -> None:
+        self.send.close()
+        self.receive.close()
 
 
 class PullTransport:

@@ -3,6 +3,8 @@
 - ``shm``, pools of equal widths: both pools' rank r map one segment (zero-copy);
 - ``shm``, different widths: prefill ranks keep their caches in their own segments and
   each decode rank copies its heads out of them (``KVPuller``);
+- an instance of a fleet's split (``--kv-transfer-config``): its one pool's worker
+  streams (a producer), lands (a consumer) or both;
 - ``tcp``: local caches; the prefill side streams (``KVSender``, re-sharding through its
   rank 0 when either pool is tensor-parallel), the decode side lands (``KVReceiver``).
 """
@@ -25,6 +27,7 @@ from worker.kv_transport import (
     NoTransport,
     PullTransport,
     ReceiveTransport,
+    SendReceiveTransport,
     SendTransport,
 )
 from worker.model_runner import ModelRunner
@@ -61,6 +64,8 @@ def kv_transport(
         return PullTransport(
             KVPuller(disagg.service_id, source, mine, runner.kv_caches, runner.block_size)
         )
+    if mode is KVMode.NONE:
+        return instance_transport(runner, config, ctx, keys)
     if mode is not KVMode.TCP:
         return NoTransport()
     if pool == PoolRole.PREFILL:
@@ -76,6 +81,12 @@ def kv_transport(
         )
         secure = keys.make_client if keys else None
         return SendTransport(KVSender(ctx, runner.block_size, secure, reshard))
+    return _receiver(runner, disagg, ctx, keys)
+
+
+def _receiver(
+    runner: ModelRunner, disagg: DisaggConfig, ctx: zmq.Context[Any], keys: CurveKeys | None
+) -> ReceiveTransport:
     receiver = KVReceiver(
         ctx,
         runner.kv_caches,
@@ -84,3 +95,20 @@ def kv_transport(
         keys.make_server if keys else None,
     )
     return ReceiveTransport(receiver)
+
+
+def instance_transport(
+    runner: ModelRunner, config: TandemConfig, ctx: zmq.Context[Any], keys: CurveKeys | None
+) -> KVTransport:
+    """A unified pool's worker: a fleet instance's sender (it lends KV), receiver (it
+    pulls KV) or both, by its ``kv_role``; none outside a fleet's split."""
+    role = config.disagg.instance_kv.role
+    send = (
+        SendTransport(KVSender(ctx, runner.block_size, keys.make_client if keys else None))
+        if role.produces
+        else None
+    )
+    receive = _receiver(runner, config.disagg, ctx, keys) if role.consumes else None
+    if send is not None and receive is not None:
+        return SendReceiveTransport(send, receive)
+    return send or receive or NoTransport()
