@@ -64,6 +64,23 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fleet")
     f.add_argument("--replicas", type=int, default=2, help="instances (default: %(default)s)")
     f.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill instances (kv_producer) of a split fleet, with --decode; replaces "
+        "--replicas (default: a fleet of whole instances)",
+    )
+    f.add_argument(
+        "--decode", type=int, default=0, help="decode instances (kv_consumer), with --prefill"
+    )
+    f.add_argument(
+        "--kv-side-channel-base-port",
+        type=int,
+        default=14579,
+        help="prefill instance i takes decode instances' pulls on this port + i "
+        "(default: %(default)s)",
+    )
+    f.add_argument(
         "--policy",
         default="kv_aware",
         choices=ROUTER_POLICIES,
@@ -87,11 +104,16 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
 def _run_fleet(
     config: TandemConfig, args: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> int:
-    from common.fleet import plan_fleet, run_fleet
+    from common.fleet import Shape, plan_fleet, run_fleet
 
     try:
         plan = plan_fleet(
-            config, args.replicas, args.policy, args.instance_base_port, args.kv_events_base_port
+            config,
+            Shape(args.replicas, args.prefill, args.decode),
+            args.policy,
+            args.instance_base_port,
+            args.kv_events_base_port,
+            side_channel_base_port=args.kv_side_channel_base_port,
         )
         return run_fleet(plan)
     except ValueError as e:

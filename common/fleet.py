@@ -1,10 +1,13 @@
 """``tandem fleet``: Tandem instances behind vLLM's router (``vllm-router``), on one host.
 
-For trying a fleet before deploying one (compose profile ``fleet``, the Helm chart's
-router): ``--replicas N`` whole instances, each ``tandem serve`` on its own port with its
-KV events published (vLLM's format) on its own ports, and the router in front with the
-chosen ``--policy``; ``kv_aware`` is told each instance's event and replay endpoints and
-the block size, so it routes by what each instance has cached. Prints the router's URL;
+For trying a fleet before deploying one (compose profiles ``fleet`` and ``xpyd``, the Helm
+chart's router): ``--replicas N`` whole instances, each ``tandem serve`` on its own port
+with its KV events published (vLLM's format) on its own ports, and the router in front with
+the chosen ``--policy``; ``kv_aware`` is told each instance's event and replay endpoints
+and the block size, so it routes by what each instance has cached. ``--prefill P --decode
+D`` instead: P prefill instances (``kv_producer``, each with its side channel) and D decode
+instances (``kv_consumer``) behind the router's ``--vllm-pd-disaggregation`` (the
+NixlConnector's two-stage protocol: ``--kv-connector nixl``). Prints the router's URL;
 Ctrl-C or SIGTERM stops everything. The router comes with ``pip install 'tandem[router]'``.
 """
 
@@ -50,6 +53,32 @@ class Instance:
 
 
 @dataclass(frozen=True)
+class Shape:
+    """Whole instances, or prefill and decode instances (a fleet's split)."""
+
+    replicas: int = 2
+    prefill: int = 0
+    decode: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.prefill == 0) != (self.decode == 0) or self.prefill < 0 or self.decode < 0:
+            raise ValueError("--prefill and --decode go together, each at least 1")
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+
+    @property
+    def split(self) -> bool:
+        return self.prefill > 0
+
+    def roles(self) -> list[str | None]:
+        """Each instance's kv_role, in order (None: a whole instance)."""
+        if not self.split:
+            return [None] * self.replicas
+        roles: list[str | None] = ["kv_producer"] * self.prefill
+        return roles + ["kv_consumer"] * self.decode
+
+
+@dataclass(frozen=True)
 class FleetPlan:
     instances: list[Instance]
     router_args: list[str]
@@ -67,20 +96,21 @@ def router_binary() -> str:
 
 def plan_fleet(
     config: TandemConfig,
-    replicas: int,
+    shape: Shape | int,
     policy: str,
     instance_base_port: int,
     events_base_port: int,
     health_check_interval_s: int = 5,
+    side_channel_base_port: int = 14579,
 ) -> FleetPlan:
     """The instances' flags and the router's, from the flags ``tandem fleet`` was given
-    (``--host``/``--port``: the router's; each instance on 127.0.0.1)."""
-    if replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    (``--host``/``--port``: the router's; each instance on 127.0.0.1). ``shape``: an int
+    is that many whole instances."""
+    shape = shape if isinstance(shape, Shape) else Shape(replicas=shape)
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}")
     instances = []
-    for i in range(replicas):
+    for i, role in enumerate(shape.roles()):
         port, pub, replay = (
             instance_base_port + i,
             events_base_port + 2 * i,
@@ -96,6 +126,9 @@ def plan_fleet(
         server = dataclasses.replace(config.server, host="127.0.0.1", port=port)
         cache = dataclasses.replace(config.cache, kv_events_config=json.dumps(events))
         instance_config = dataclasses.replace(config, server=server, cache=cache)
+        if role is not None:
+            transfer = {"kv_role": role, "kv_port": side_channel_base_port + i}
+            instance_config = instance_config.with_disagg(kv_transfer_config=json.dumps(transfer))
         instances.append(
             Instance(
                 f"http://127.0.0.1:{port}",
@@ -105,15 +138,21 @@ def plan_fleet(
             )
         )
     host, port = config.server.host, config.server.port
-    router_args = [
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--policy",
-        policy,
-        "--worker-urls",
-        *(inst.url for inst in instances),
+    router_args = ["--host", host, "--port", str(port), "--policy", policy]
+    if shape.split:
+        prefill, decode = instances[: shape.prefill], instances[shape.prefill :]
+        router_args += ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+        for inst in prefill:
+            router_args += ["--prefill", inst.url]
+        for inst in decode:
+            router_args += ["--decode", inst.url]
+        if policy == "kv_aware":  # by prefix for the prefill; the decode has nothing cached
+            router_args += ["--decode-policy", "power_of_two"]
+            for inst in prefill:
+                router_args += ["--pd-kv-events", f"{inst.url}={inst.events}"]
+    else:
+        router_args += ["--worker-urls", *(inst.url for inst in instances)]
+    router_args += [
         "--worker-startup-check-interval",
         "1",
         "--health-check-interval-secs",
@@ -123,7 +162,7 @@ def plan_fleet(
     ]
     if config.server.log_level.lower() in _ROUTER_LOG_LEVELS:  # the instances' level
         router_args += ["--log-level", config.server.log_level.lower()]
-    if policy == "kv_aware":  # the router refuses event sources under other policies
+    if policy == "kv_aware" and not shape.split:  # refused under other policies
         for inst in instances:
             router_args += ["--kv-event-source", f"{inst.url}={inst.events}"]
             router_args += ["--kv-event-replay-source", f"{inst.url}={inst.replay}"]

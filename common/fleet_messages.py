@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 
-class KVTransferParams(msgspec.Struct, omit_defaults=True):
+class KVTransferParams(msgspec.Struct):
     """vLLM's NixlConnector ``kv_transfer_params``, as JSON objects spell them.
 
     A prefill request asks ``do_remote_decode``; its answer names the lease

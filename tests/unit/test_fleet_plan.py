@@ -7,7 +7,10 @@ import json
 import pytest
 
 from common.cli_args import parse_config
-from common.fleet import plan_fleet
+from common.config import SchedulerConfig, TandemConfig
+from common.fleet import Shape, plan_fleet
+from common.kv_transfer_config import parse_kv_transfer_config
+from common.pool_config import DisaggConfig
 
 
 def instance_flag(args: list[str], flag: str) -> str:
@@ -42,3 +45,53 @@ def test_other_policies_get_no_event_sources_and_bad_counts_are_refused() -> Non
         plan_fleet(config, 0, "kv_aware", 9100, 6000)
     with pytest.raises(ValueError, match="--policy must be one of"):
         plan_fleet(config, 2, "nearest", 9100, 6000)
+
+
+def test_a_split_fleet_gets_producers_consumers_and_the_routers_pd_mode() -> None:
+    config = parse_config(["--port", "9000"])
+    plan = plan_fleet(config, Shape(prefill=1, decode=2), "kv_aware", 9100, 6000, 5, 7000)
+    roles = []
+    for inst in plan.instances:
+        transfer = parse_config(inst.args).disagg.instance_kv
+        roles.append((transfer.kv_role, transfer.kv_port))
+    assert roles == [("kv_producer", 7000), ("kv_consumer", 7001), ("kv_consumer", 7002)]
+    router = plan.router_args
+    assert "--vllm-pd-disaggregation" in router and "--worker-urls" not in router
+    assert router[router.index("--kv-connector") + 1] == "nixl"
+    assert [router[i + 1] for i, a in enumerate(router) if a == "--prefill"] == [
+        "http://127.0.0.1:9100"
+    ]
+    assert [router[i + 1] for i, a in enumerate(router) if a == "--decode"] == [
+        "http://127.0.0.1:9101",
+        "http://127.0.0.1:9102",
+    ]
+    events = [router[i + 1] for i, a in enumerate(router) if a == "--pd-kv-events"]
+    assert events == [f"http://127.0.0.1:9100={plan.instances[0].events}"]
+    with pytest.raises(ValueError, match="--prefill and --decode go together"):
+        Shape(prefill=1)
+
+
+def test_kv_transfer_config_is_vllms_spelling_and_refuses_what_it_does_not_know() -> None:
+    parsed = parse_kv_transfer_config(
+        '{"kv_connector": "TandemConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",'
+        ' "kv_connector_extra_config": {"lease_s": 5}}'
+    )
+    assert parsed.role.produces and parsed.role.consumes
+    assert parsed.kv_connector_extra_config.lease_s == 5
+    assert parsed.kv_load_failure_policy == "recompute"
+    for text, message in (
+        ('{"kv_role": "kv_sender"}', "kv_role must be one of"),
+        ('{"kv_role": "kv_producer", "kv_connector": "NixlConnector"}', "is not available"),
+        ('{"kv_role": "kv_producer", "kv_porrt": 1}', "unknown field kv_porrt"),
+        ('{"kv_connector_extra_config": {"lease": 1}}', "kv_connector_extra_config.lease"),
+        ("[1]", "must be a JSON object"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_kv_transfer_config(text)
+    with pytest.raises(ValueError, match="one unified pool"):
+        DisaggConfig(
+            prefill_workers=1, decode_workers=1, kv_transfer_config='{"kv_role": "kv_both"}'
+        )
+    consumer = DisaggConfig(kv_transfer_config='{"kv_role": "kv_consumer"}')
+    with pytest.raises(ValueError, match="needs --enable-prefix-caching"):
+        TandemConfig(scheduler=SchedulerConfig(enable_prefix_caching=False), disagg=consumer)

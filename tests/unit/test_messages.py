@@ -34,6 +34,7 @@ def test_engine_request_encoding_is_pinned() -> None:
         1,
         None,  # cache_salt, appended after priority
         None,  # owner, appended after cache_salt
+        None,  # kv_transfer (a fleet's prefill/decode split), appended after owner
     ]
 
 
@@ -61,6 +62,8 @@ def test_finish_reason_words() -> None:
         0,
         None,
         None,
+        None,  # kv_transfer_params, appended after timings
+        None,  # error_param
     ]
 
 
