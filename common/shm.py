@@ -58,11 +58,14 @@ class ServiceLock:
     def __init__(self, runtime_dir: str, service_id: str) -> None:
         self.service_id = service_id
         self.path = Path(runtime_dir) / SERVICE_FILE
-        # Locked before the id is written: a file with an id in it is always claimed.
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        # Locked and written under another name, then renamed into place: another engine
+        # starting now (``remove_stale``) never finds the file before it is claimed.
+        pending = self.path.with_name(f"{SERVICE_FILE}.{os.getpid()}")
+        self._fd = os.open(pending, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(self._fd, 0)
         os.write(self._fd, service_id.encode())
+        os.rename(pending, self.path)
 
     def release(self) -> None:
         """Unlink the service's segments and drop the claim."""

@@ -74,6 +74,7 @@ class EngineCoreProc:
         )
         self.num_malformed_frames = 0
         self.num_dropped_connections = 0
+        self._published_at = 0.0  # when the step loop last refreshed the heartbeat
         self._ctx = zmq.Context()
         keys = CurveKeys(config.addresses.curve_keys) if config.addresses.curve_keys else None
         self._auth = keys.start_authenticator(self._ctx) if keys else None
@@ -169,6 +170,8 @@ class EngineCoreProc:
                 return
             if not result.progressed:
                 self.core.check_alive()
+                if time.monotonic() - self._published_at > HEARTBEAT_INTERVAL_S:
+                    self._publish()  # idle, yet leases expire and pulls time out
                 busy = self.core.has_work()
                 self._wait(
                     _FORMING_WAIT_MS if busy and not self._any_in_flight() else _IDLE_WAIT_MS
@@ -254,6 +257,7 @@ class EngineCoreProc:
 
     def _publish(self) -> SchedulerStats:
         """Refresh the heartbeat's figures; returns the totals."""
+        self._published_at = time.monotonic()
         core = self.core
         stats = msgspec.structs.replace(
             core.stats(),
