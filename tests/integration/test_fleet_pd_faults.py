@@ -98,7 +98,7 @@ def test_forged_or_malformed_params_are_a_400_naming_the_field(
     forged = [
         ({**params, "remote_engine_id": "someone-else"}, KEYS[0], "remote_engine_id"),
         (
-            {**params, "remote_block_ids": params["remote_block_ids"][::-1] + [999]},
+            {**params, "remote_block_ids": [*params["remote_block_ids"][::-1], 999]},
             KEYS[0],
             "remote_block_ids",
         ),
