@@ -78,6 +78,10 @@ class _EngineCollector(Collector):
         families = {
             "num_requests_running": ("Requests in the running batch.", lambda s: s.num_running),
             "num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            "num_prompt_tokens_waiting": (
+                "Prompt tokens still to prefill, of waiting and running requests.",
+                lambda s: s.num_prompt_tokens_waiting,
+            ),
             "kv_cache_usage_perc": (
                 "Fraction of KV blocks in use (0-1).",
                 lambda s: (

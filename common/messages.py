@@ -206,6 +206,9 @@ class SchedulerStats(_Wire):
     # thread governor lowers a worker's while other processes hold its cores); 0 before
     # any step.
     num_worker_threads: int = 0
+    # Prompt tokens still to prefill, of waiting and running requests (a prefill
+    # instance's autoscaling signal).
+    num_prompt_tokens_waiting: int = 0
 
 
 ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -276,6 +276,7 @@ class EngineCore:
                 sum(c) for c in zip(*(s.iteration_tokens_buckets for s in per_pool), strict=True)
             ],
             num_worker_threads=sum(s.num_worker_threads for s in per_pool),
+            num_prompt_tokens_waiting=sum(s.num_prompt_tokens_waiting for s in per_pool),
             num_kv_blocks_total=sum(kv.num_blocks for kv in managers),
             num_kv_blocks_in_use=sum(kv.num_used_blocks for kv in managers),
             prefix_cache_queries_total=sum(kv.prefix_queries for kv in managers),

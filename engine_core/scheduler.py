@@ -438,4 +438,8 @@ class Scheduler:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             iteration_tokens_buckets=list(self.iteration_tokens.cumulative),
             iteration_tokens_sum=self.iteration_tokens.total,
+            num_prompt_tokens_waiting=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for r in (*self.waiting, *self.running)
+            ),
         )

@@ -25,6 +25,7 @@ PROFILES = {
     "split-tcp": {f"{s}-tcp" for s in SPLIT},
     "monitoring": {"prometheus", "grafana"},
     "fleet": {"replica-1", "replica-2", "router"},
+    "xpyd": {"prefill-1", "decode-1", "decode-2", "router-xpyd"},
 }
 
 
@@ -84,7 +85,12 @@ def test_prometheus_scrapes_every_deployment_that_serves_http() -> None:
     services = compose()["services"]
     tandem = {n: s for n, s in services.items() if "vllm-router" not in str(s.get("entrypoint"))}
     serving = {f"{name}:8000" for name, s in tandem.items() if ":8000" in str(s.get("ports"))}
-    serving |= {f"{name}:8000" for name, s in tandem.items() if "fleet" in s.get("profiles", [])}
+    behind_router = ("fleet", "xpyd")
+    serving |= {
+        f"{name}:8000"
+        for name, s in tandem.items()
+        if set(s.get("profiles", [])) & set(behind_router)
+    }
     assert targets == serving
 
 
@@ -110,6 +116,8 @@ OVERLAYS = {
     "decode": ["values-decode.yaml"],
     "prefill": ["values-prefill.yaml"],
     "fleet": ["values-fleet.yaml"],
+    "xpyd": ["values-xpyd.yaml"],
+    "inferencepool": ["values-inferencepool.yaml"],
 }
 EVERYTHING = [
     "apiKeys.keys={key-one-0001,key-two-0002}",
@@ -134,7 +142,9 @@ def render(files: list[str], sets: list[str]) -> list[dict[str, Any]]:
 def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_path: Path) -> None:
     files = OVERLAYS[overlay]
     sets = extras or (
-        ["curveKeys.existingSecret=k"] if "prefill" in overlay or "decode" in overlay else []
+        ["curveKeys.existingSecret=k"]
+        if "prefill" in overlay or "decode" in overlay or overlay == "xpyd"
+        else []
     )
     lint = [ensure_helm(), "lint", "--strict", str(CHART)]
     for f in files:
@@ -144,15 +154,20 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
     run(*lint)
     docs = render(files, sets)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("Deployment") == (2 if overlay in ("decode+prefill", "fleet") else 1)
-    # ServiceMonitor is a CRD (Prometheus Operator): not in the core schemas.
-    core = [d for d in docs if d["kind"] != "ServiceMonitor"]
+    deployments = {"decode+prefill": 2, "fleet": 2, "xpyd": 3}  # xpyd: prefill, decode, router
+    assert kinds.count("Deployment") == deployments.get(overlay, 1)
+    # ServiceMonitor (Prometheus Operator) and InferencePool (Gateway API Inference
+    # Extension) are CRDs: not in the core schemas (check_inference_pool reads it).
+    core = [d for d in docs if d["kind"] not in ("ServiceMonitor", "InferencePool")]
     manifest = tmp_path / "rendered.yaml"
     manifest.write_text(yaml.safe_dump_all(core))
     run(venv_tool("kubernetes-validate"), "--strict", str(manifest))
     if extras:
         assert "ServiceMonitor" in kinds and "Secret" in kinds
-        assert ("HorizontalPodAutoscaler" in kinds) == (overlay in ("unified", "split", "fleet"))
+        scaled = ("unified", "split", "fleet", "inferencepool")
+        assert kinds.count("HorizontalPodAutoscaler") == (
+            2 if overlay == "xpyd" else int(overlay in scaled)
+        )
     (config,) = (d for d in docs if d["kind"] == "ConfigMap")
     gpu = "gpu.enabled=true" in extras
     if overlay == "split":  # GPU workers cannot share KV through /dev/shm: loopback TCP
@@ -160,9 +175,14 @@ def test_chart_lints_renders_and_validates(overlay: str, extras: list[str], tmp_
     routers = [
         d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "router"
     ]
-    assert bool(routers) == (overlay == "fleet")
-    if routers:
+    assert bool(routers) == (overlay in ("fleet", "xpyd"))
+    if overlay == "fleet":
         check_router(routers, config, docs)
+    if overlay == "xpyd":
+        check_xpyd(routers, config, docs)
+    assert ("InferencePool" in kinds) == (overlay == "inferencepool")
+    if overlay == "inferencepool":
+        check_inference_pool(docs)
     for deployment in (d for d in docs if d["kind"] == "Deployment" and d not in routers):
         shutdown_s = int(config["data"]["TANDEM_SHUTDOWN_TIMEOUT"])
         check_pod(deployment["spec"]["template"]["spec"], gpu, shutdown_s)
@@ -222,6 +242,59 @@ def check_router(
     events = json.loads(config["data"]["TANDEM_KV_EVENTS_CONFIG"])
     assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5557"
     assert router["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def check_xpyd(
+    routers: list[dict[str, Any]], config: dict[str, Any], docs: list[dict[str, Any]]
+) -> None:
+    """Prefill and decode Deployments, each with its role's kv_transfer_config, the pod's
+    own IP as the address other pods reach it at, its own HPA signal and PDB; the router
+    in PD mode selects each role by label."""
+    (router,) = (d for d in routers if d["kind"] == "Deployment")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--vllm-pd-disaggregation", "--kv-connector=nixl", "--service-discovery"} <= set(args)
+    assert config["data"]["TANDEM_EXPOSE_ENGINE"] == "true"
+    assert config["data"]["TANDEM_CURVE_KEYS"] == "/etc/tandem/curve"
+    signals = {
+        "prefill": "tandem_num_prompt_tokens_waiting",
+        "decode": "tandem_num_requests_running",
+    }
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        (deployment,) = (
+            d
+            for d in docs
+            if d["kind"] == "Deployment"
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == role
+        )
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        selector = args[args.index(f"--{role}-selector") + 1 : args.index(f"--{role}-selector") + 4]
+        assert all(labels[k] == v for k, v in (s.split("=", 1) for s in selector))
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        transfer = json.loads(env["TANDEM_KV_TRANSFER_CONFIG"]["value"])
+        assert transfer["kv_role"] == kv_role and transfer["kv_ip"] == "0.0.0.0"
+        assert (
+            env["TANDEM_KV_TRANSFER_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        )
+        name = deployment["metadata"]["name"]
+        hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+        for hpa in (h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == name):
+            assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == signals[role]
+        pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+        assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs)
+    assert not any(  # clients use the router's Service; no Service selects a role's pods
+        d["kind"] == "Service" and d not in routers for d in docs
+    )
+
+
+def check_inference_pool(docs: list[dict[str, Any]]) -> None:
+    (pool,) = (d for d in docs if d["kind"] == "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    (server,) = (d for d in docs if d["kind"] == "Deployment")
+    labels = server["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9002}
 
 
 def test_the_schema_refuses_a_bad_topology() -> None:
