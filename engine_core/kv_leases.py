@@ -100,6 +100,8 @@ class KVLeases:
 
     def serve(self, peer: bytes, pull: KVPull) -> list[Reply]:
         """Check a decode instance's pull against its lease; order the send if it holds."""
+        if not pull.block_ids:  # the decode side needs none of the blocks
+            return [(peer, self._release(pull))]
         refusal = self._check(pull)
         if refusal is not None:
             why, param = refusal
@@ -107,13 +109,23 @@ class KVLeases:
             logger.warning("refused KV pull %s: %s", pull.transfer_id, why)
             return [(peer, KVPullAnswer(pull.transfer_id, False, why, param))]
         lease = self.leases[pull.lease_id]
-        if not pull.block_ids:  # the decode side needs none of them
-            self._end(lease, "lease_released")
-            return [(peer, KVPullAnswer(pull.transfer_id, True))]
         lease.transfer_id, lease.peer = pull.transfer_id, peer
         self._sending[pull.transfer_id] = lease
         self.side.orders.sends.append(KVSend(pull.transfer_id, pull.block_ids, pull.destinations))
         return [(peer, KVPullAnswer(pull.transfer_id, True))]
+
+    def _release(self, pull: KVPull) -> KVPullAnswer:
+        """A lease the decode side will not pull: freed now, if it is still waiting and
+        the release comes from the engine and key it was made for."""
+        lease = self.leases.get(pull.lease_id)
+        if (
+            lease is not None
+            and lease.transfer_id is None
+            and pull.engine_id == self.channel.engine_id
+            and pull.owner == lease.owner_key
+        ):
+            self._end(lease, "lease_released")
+        return KVPullAnswer(pull.transfer_id, True)
 
     def _check(self, pull: KVPull) -> tuple[str, str | None] | None:
         """Why the pull cannot be served, and the params field at fault; None if it can."""

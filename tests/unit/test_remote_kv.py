@@ -260,6 +260,7 @@ def test_an_abort_while_pulling_cancels_the_landing_and_releases_the_lease() -> 
     assert any("r#pull0" in step.kv_cancels for step in consumer.pool.steps)
     producer.step()
     assert consumer.outcomes() == {"aborted": 1}
+    assert producer.outcomes() == {"lease_pulled": 1}  # sent already: the release is moot
     consumer.assert_all_free()
     producer.assert_all_free()
 
