@@ -2,7 +2,8 @@
 
 1. The bytes alone, in-process, SmolLM2's KV layout (30 layers, 3 KV heads of 64, bf16):
    a plain memcpy of one request's KV, and the TCP path end to end (copy the blocks out,
-   XXH3 checksum, ZeroMQ over loopback, check, write into the receiver's blocks), in GB/s,
+   XXH3 checksum, over loopback, check, write into the receiver's blocks), in GB/s: on
+   a plain socket (the wire without keys) and on ZeroMQ (the wire CurveZMQ encrypts),
    sender and receiver each with its own ZeroMQ context (as in two processes); and the
    wire alone (the same bytes over a bare ZeroMQ PUSH/PULL and a bare TCP socket), the
    ceiling the hand-off runs under on this host.
@@ -34,8 +35,9 @@ from bench.harness import print_table, stream, tandem_server, write_results
 from common.messages import KVReceive, KVSend
 from common.shm import new_service_id, segment_name, segments_of, unlink_segment
 from worker.kv_memory import SharedCaches
+from worker.kv_receiver import KVReceiver
 from worker.kv_reshard import KVLayout, KVPuller, prefill_segment
-from worker.kv_transfer import KVReceiver, KVSender
+from worker.kv_transfer import KVSender
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 DTYPE = torch.bfloat16
@@ -61,13 +63,14 @@ def memcpy_s(tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def tcp_s(tokens: int, repeats: int) -> float:
-    """Sender copy-out + wire + receiver check and write, until the receiver reports."""
+def tcp_s(tokens: int, repeats: int, raw: bool = False) -> float:
+    """Sender copy-out + wire + receiver check and write, until the receiver reports.
+    ``raw``: the wire without keys (a plain socket), else ZeroMQ (as with CurveZMQ)."""
     blocks = -(-tokens // BLOCK)
     ctx: zmq.Context[Any] = zmq.Context()
     sender_ctx: zmq.Context[Any] = zmq.Context()  # its own I/O thread, as in another process
     src, dst = caches(blocks), [c.clone().zero_() for c in caches(blocks)]
-    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0")
+    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0", raw=raw)
     sender = KVSender(sender_ctx, BLOCK)
     ids = list(range(blocks))
     times = []
@@ -194,6 +197,7 @@ def main() -> None:
     for tokens in args.tokens:
         size = kv_bytes(tokens)
         copy, wire = memcpy_s(tokens, args.repeats), tcp_s(tokens, args.repeats)
+        raw = tcp_s(tokens, args.repeats, raw=True)
         pull = reshard_pull_s(tokens, args.repeats)
         bare_zmq, bare_socket = wire_s(tokens, args.repeats)
         results.append(
@@ -202,6 +206,7 @@ def main() -> None:
                 "bytes": size,
                 "memcpy_s": copy,
                 "tcp_s": wire,
+                "tcp_raw_s": raw,
                 "pull_s": pull,
                 "bare_zmq_s": bare_zmq,
                 "bare_socket_s": bare_socket,
@@ -210,13 +215,15 @@ def main() -> None:
         rows.append(
             [
                 tokens, f"{size / 2**20:.1f}", f"{1000 * copy:.2f}", f"{size / copy / 1e9:.1f}",
+                f"{1000 * raw:.1f}", f"{size / raw / 1e9:.2f}",
                 f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}", "0 bytes moved",
                 f"{1000 * pull:.1f}", f"{size / pull / 1e9:.2f}",
                 f"{size / bare_zmq / 1e9:.2f}", f"{size / bare_socket / 1e9:.2f}",
             ]
         )  # fmt: skip
     print(f"\nKV bytes of one request (SmolLM2 layout, {DTYPE}), {args.repeats} repeats, medians\n")
-    header = ["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp ms", "tcp GB/s", "shm"]
+    header = ["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp socket ms", "GB/s"]
+    header += ["tcp zmq (keys) ms", "GB/s", "shm"]
     ceiling = ["bare zmq GB/s", "bare socket GB/s"]
     print_table([*header, "shm TP2->1 ms", "shm TP2->1 GB/s", *ceiling], rows)
     served: dict[str, Any] = {}

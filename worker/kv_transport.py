@@ -14,8 +14,9 @@ from typing import Protocol
 import torch
 
 from common.messages import KVTransferResult, SchedulerOutput
+from worker.kv_receiver import KVReceiver
 from worker.kv_reshard import KVPuller
-from worker.kv_transfer import KVReceiver, KVSender
+from worker.kv_transfer import KVSender
 
 
 class KVTransport(Protocol):

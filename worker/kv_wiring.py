@@ -20,8 +20,9 @@ from common.curve import CurveKeys
 from common.messages import PoolRole
 from common.pool_config import DisaggConfig, KVMode
 from common.shm import segment_name
+from worker.kv_receiver import KVReceiver
 from worker.kv_reshard import KVLayout, KVPuller, prefill_segment, shared_segment
-from worker.kv_transfer import KVReceiver, KVSender, Reshard
+from worker.kv_transfer import KVSender, Reshard
 from worker.kv_transport import (
     KVTransport,
     NoTransport,
@@ -93,6 +94,7 @@ def _receiver(
         disagg.kv_transfer_address,
         disagg.kv_transfer_host,
         keys.make_server if keys else None,
+        raw=keys is None,  # no encryption asked: a plain socket (worker/kv_socket.py)
     )
     return ReceiveTransport(receiver)
 

@@ -3,6 +3,7 @@ sender and receiver over loopback (landing exactly, damage refused, early arriva
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -13,7 +14,9 @@ import zmq
 
 from common.messages import KVReceive, KVSend, KVTransferResult
 from worker.kv_staging import StagingPool, block_runs, checksum, copy_in, copy_out, row_bytes
-from worker.kv_transfer import KVReceiver, KVSender, _Header
+from worker.kv_receiver import KVReceiver
+from worker.kv_socket import split_address
+from worker.kv_transfer import KVSender, _Header
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 40, 2, 4, 8
 
@@ -71,11 +74,13 @@ Wire = tuple[
 ]
 
 
-@pytest.fixture
-def wire() -> Iterator[Wire]:
+@pytest.fixture(params=[True, False], ids=["socket", "zmq"])
+def wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
+    """A sender and a receiver on a plain socket (no keys), or on ZeroMQ (the wire
+    CurveZMQ encrypts)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     src, dst = caches(seed=1), [torch.zeros_like(c) for c in caches()]
-    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0")
+    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0", raw=request.param)
     sender = KVSender(ctx, BLOCK)
     try:
         yield sender, receiver, src, dst, ctx
@@ -120,6 +125,12 @@ def test_bytes_before_the_engines_word_are_held_then_landed(wire: Wire) -> None:
 def forge(
     ctx: zmq.Context[zmq.Socket[bytes]], address: str, header: _Header, frames: list[bytes]
 ) -> None:
+    """Send these frames as one transfer, as a broken or hostile sender might."""
+    if address.startswith("kvtcp://"):
+        head = msgspec.msgpack.encode(header)
+        with socket.create_connection(split_address(address)) as raw:
+            raw.sendall(len(head).to_bytes(4, "big") + head + b"".join(frames))
+        return
     sock = ctx.socket(zmq.PUSH)
     sock.connect(address)
     sock.send_multipart([msgspec.msgpack.encode(header), *frames])
@@ -131,12 +142,18 @@ def test_damaged_or_misshapen_bytes_are_refused_and_nothing_is_written(wire: Wir
     per_layer = 2 * 2 * row_bytes(src[0])
     frames = [bytes([layer]) * per_layer for layer in range(LAYERS)]
     good = checksum([memoryview(f) for f in frames])
+    raw = receiver.address.startswith("kvtcp://")
     cases = {
         "checksum mismatch": (_Header("bad-sum", 2, LAYERS * per_layer, good ^ 1), frames),
-        "layer 2: 0 bytes": (_Header("short", 2, LAYERS * per_layer, good), frames[:2]),
-        "more frames than": (_Header("long", 2, LAYERS * per_layer, good), [*frames, b"x"]),
+        # A stream has no frames: a short transfer is the sender closing mid-way.
+        "the sender closed mid-transfer" if raw else "layer 2: 0 bytes": (
+            _Header("short", 2, LAYERS * per_layer, good),
+            frames[:2],
+        ),
         "bytes for 3 blocks": (_Header("sizes", 3, LAYERS * per_layer, good), frames),
     }
+    if not raw:
+        cases["more frames than"] = (_Header("long", 2, LAYERS * per_layer, good), [*frames, b"x"])
     for why, (header, body) in cases.items():
         receiver.expect(KVReceive(header.transfer_id, [5, 6], [1, 1]))
         forge(ctx, receiver.address, header, body)
