@@ -13,9 +13,9 @@ import torch
 import zmq
 
 from common.messages import KVReceive, KVSend, KVTransferResult
-from worker.kv_staging import StagingPool, block_runs, checksum, copy_in, copy_out, row_bytes
 from worker.kv_receiver import KVReceiver
 from worker.kv_socket import split_address
+from worker.kv_staging import StagingPool, block_runs, checksum, copy_in, copy_out, row_bytes
 from worker.kv_transfer import KVSender, _Header
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 40, 2, 4, 8
