@@ -87,10 +87,5 @@ def _check_remote(params: KVTransferParams) -> None:
             f"'{FIELD}.remote_block_ids' must be at most {MAX_BLOCKS} block ids, none negative",
             param=f"{FIELD}.remote_block_ids",
         )
-    if params.tp_size != 1:
-        raise ApiError(
-            400,
-            f"'{FIELD}.tp_size' {params.tp_size}: pulls between instances take tensor-parallel "
-            "size 1",
-            param=f"{FIELD}.tp_size",
-        )
+    if params.tp_size < 1:
+        raise ApiError(400, f"'{FIELD}.tp_size' must be at least 1", param=f"{FIELD}.tp_size")

@@ -77,10 +77,9 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         instance = parse_kv_transfer_config(self.kv_transfer_config)  # refused here
         require(
-            instance.role is KVRole.NONE or (not self.split and self.tensor_parallel_size == 1),
+            instance.role is KVRole.NONE or not self.split,
             "--kv-transfer-config makes one instance of a fleet's prefill/decode split: it "
-            "takes one unified pool at --tensor-parallel-size 1 (split pools hand KV over "
-            "inside one instance already)",
+            "takes one unified pool (split pools hand KV over inside one instance already)",
         )
         require(
             self.prefill_workers >= 0 and self.decode_workers >= 0,

@@ -51,6 +51,7 @@ class SideChannel:
     engine_id: str
     host: str
     port: int
+    tp_size: int = 1  # this instance's tensor-parallel ranks
 
 
 class KVLeases:
@@ -95,6 +96,7 @@ class KVLeases:
             remote_request_id=lease_id,
             remote_host=self.channel.host,
             remote_port=self.channel.port,
+            tp_size=self.channel.tp_size,
             block_size=self.kv.block_size,
         )
 

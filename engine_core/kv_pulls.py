@@ -48,6 +48,8 @@ class Pull:
     num_full: int  # the prompt's full blocks wanted
     deadline: float  # for the ack, then for landing
     started: float
+    awaiting: int = 1  # ranks yet to report their heads landed
+    num_bytes: int = 0
     acked: bool = False
 
 
@@ -71,7 +73,7 @@ class KVPulls:
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.side = side  # the unified pool's orders: the receives go there
-        self.destinations = destinations  # this instance's worker's KV receiver
+        self.destinations = destinations  # each rank's KV receiver (it lands its heads)
         self.times = times
         self.policy = policy
         self.stats = stats
@@ -143,6 +145,7 @@ class KVPulls:
                 num_full,
                 now + self.times.ack_s,
                 now,
+                awaiting=len(self.destinations),
             )
             self.active[pull.transfer_id] = pull
             self._by_request[request.request_id] = pull
@@ -204,13 +207,17 @@ class KVPulls:
             return {}
         if not result.ok:
             return self._failed(pull, "failed", result.error or "landing failed", release=False)
+        pull.awaiting -= 1
+        pull.num_bytes += result.num_bytes
+        if pull.awaiting > 0:
+            return {}  # another rank's heads are still on the way
         request = pull.request
         self._end(pull, cancel=False)
         size = self.kv.block_size
         self.kv.cache_full_blocks(
             pull.owner, request.block_hashes, pull.num_full * size, request.token_ids
         )
-        self.stats.ended("done", self._clock() - pull.started, result.num_bytes)
+        self.stats.ended("done", self._clock() - pull.started, pull.num_bytes)
         self._landed[request.request_id] = (request, pull.owner)
         return self._queue(request)
 

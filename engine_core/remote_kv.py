@@ -44,9 +44,11 @@ def unified_instance(
     config: TandemConfig,
     kv: KVCacheManager,
     ready: WorkerReady,
+    kv_addresses: list[str],
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Scheduler, RemoteKV]:
-    """A unified pool's scheduler and its part in a fleet's split (perhaps none)."""
+    """A unified pool's scheduler and its part in a fleet's split (perhaps none).
+    ``kv_addresses``: where each of the pool's ranks takes pulled KV (its heads)."""
     instance, disagg = config.disagg.instance_kv, config.disagg
     lease_s = instance.kv_connector_extra_config.lease_s or disagg.kv_transfer_lease_s
     stats = HandoffStats(LEASE_OUTCOMES)
@@ -55,11 +57,12 @@ def unified_instance(
         instance.engine_id or uuid.uuid4().hex,
         disagg.kv_transfer_host or instance.kv_ip,
         instance.kv_port,
+        disagg.tensor_parallel_size,
     )
     leases = KVLeases(kv, side, channel, lease_s, stats, clock)
     scheduler = Scheduler(config.scheduler, kv, ready.model, clock, lender=leases)
     times = PullTimes(instance.kv_connector_extra_config.ack_timeout_s, lease_s)
-    destinations = [ready.kv_address] if ready.kv_address else []
+    destinations = [address for address in kv_addresses if address]
     pulls = KVPulls(
         scheduler, side, destinations, times, instance.kv_load_failure_policy, stats, clock
     )

@@ -121,8 +121,11 @@ def build_topology(
 
     mode = config.disagg.kv_mode
     if mode is KVMode.NONE:
-        scheduler, remote = unified_instance(config, manager(PoolRole.UNIFIED), first, clock)
-        slot = Slot(pools[PoolRole.UNIFIED], scheduler, remote.side, depth)
+        pool = pools[PoolRole.UNIFIED]
+        scheduler, remote = unified_instance(
+            config, manager(PoolRole.UNIFIED), first, pool.kv_addresses, clock
+        )
+        slot = Slot(pool, scheduler, remote.side, depth)
         return Topology({PoolRole.UNIFIED: slot}, NoHandoff(), OnePool(scheduler), remote)
 
     disagg = config.disagg

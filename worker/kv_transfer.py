@@ -20,7 +20,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -98,7 +98,18 @@ class Reshard:
 
     tp: TensorParallel
     source: KVLayout
-    dest: KVLayout
+    dest: KVLayout  # the decode side's, unless a send names another number of ranks
+
+    def dest_for(self, num_ranks: int) -> KVLayout:
+        """The decode side's layout over ``num_ranks`` ranks (a fleet's decode instance
+        may run another tensor-parallel size than the one configured here)."""
+        return (
+            self.dest if self.dest.tp_size == num_ranks else replace(self.dest, tp_size=num_ranks)
+        )
+
+    def needed(self, num_ranks: int) -> bool:
+        """Whether the heads move at all: not between two pools of one rank each."""
+        return self.source.tp_size > 1 or num_ranks > 1
 
 
 class KVSender:
@@ -131,7 +142,8 @@ class KVSender:
         tensor parallelism every prefill rank calls this in the same step (a collective)
         and rank 0 sends each decode rank its heads."""
         reshard = self._reshard
-        if reshard is None and caches[0].device.type == "cpu":
+        ranks = len(order.destinations)
+        if (reshard is None or not reshard.needed(ranks)) and caches[0].device.type == "cpu":
             n = len(order.block_ids)
             staged = self._staging.take(len(caches) * 2 * n * row_bytes(caches[0]))
             staged = staged.view(len(caches), 2, n, -1)
@@ -139,18 +151,15 @@ class KVSender:
             self._work.put((order.transfer_id, [(order.destinations[0], staged)], True))
             return
         payload = gather_blocks(caches, order.block_ids)
-        if reshard is None:  # a GPU's blocks: to the host once
+        if reshard is None or not reshard.needed(ranks):  # a GPU's blocks: to the host once
             self._work.put((order.transfer_id, [(order.destinations[0], payload.cpu())], False))
             return
         full = gather_heads(payload, reshard.tp, reshard.source, self._block_size)
         if full is None:
             return  # rank 0 sends
-        if len(order.destinations) != reshard.dest.tp_size:
-            error = f"{len(order.destinations)} destinations for {reshard.dest.tp_size} ranks"
-            self._failures.put(KVTransferResult(order.transfer_id, False, error))
-            return
+        dest = reshard.dest_for(ranks)
         pieces = [
-            (address, heads_for(full, reshard.dest.heads(rank)).cpu())
+            (address, heads_for(full, dest.heads(rank)).cpu())
             for rank, address in enumerate(order.destinations)
         ]
         self._work.put((order.transfer_id, pieces, False))

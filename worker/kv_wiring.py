@@ -105,10 +105,13 @@ def instance_transport(
     """A unified pool's worker: a fleet instance's sender (it lends KV), receiver (it
     pulls KV) or both, by its ``kv_role``; none outside a fleet's split."""
     role = config.disagg.instance_kv.role
+    # The decode instance's width comes with each pull (its destinations): any TP on
+    # either side, the heads re-sharded through this instance's rank 0.
+    own = layout(runner, config.disagg, PoolRole.UNIFIED)
+    reshard = Reshard(runner.tp, own, own)
+    secure = keys.make_client if keys else None
     send = (
-        SendTransport(KVSender(ctx, runner.block_size, keys.make_client if keys else None))
-        if role.produces
-        else None
+        SendTransport(KVSender(ctx, runner.block_size, secure, reshard)) if role.produces else None
     )
     receive = _receiver(runner, config.disagg, ctx, keys) if role.consumes else None
     if send is not None and receive is not None:
