@@ -9,12 +9,10 @@ decode pool on the next port (as vLLM offsets a data-parallel rank's ports).
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
-from common.config_checks import require
+from common.config_checks import json_object, refuse_unknown_fields, require
 
 _PORT = re.compile(r"^(tcp://.*):(\d+)$")
 
@@ -74,15 +72,6 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig:
     """The flag's JSON as a config; a clear error naming any field it does not know."""
     if not text:
         return KVEventsConfig()
-    try:
-        raw: Any = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-    require(isinstance(raw, dict), "--kv-events-config must be a JSON object")
-    known = {f.name for f in fields(KVEventsConfig)}
-    unknown = sorted(set(raw) - known)
-    require(
-        not unknown,
-        f"--kv-events-config: unknown field {', '.join(unknown)} (known: {', '.join(sorted(known))})",
-    )
+    raw = json_object(text, "--kv-events-config")
+    refuse_unknown_fields(raw, KVEventsConfig, "--kv-events-config")
     return KVEventsConfig(**raw)

@@ -20,11 +20,10 @@ pull before the failure policy applies).
 from __future__ import annotations
 
 import enum
-import json
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
-from common.config_checks import require
+from common.config_checks import json_object, refuse_unknown_fields, require
 
 FailurePolicy = Literal["fail", "recompute"]
 CONNECTORS = ("TandemConnector",)
@@ -113,30 +112,13 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig:
     """The flag's JSON as a config; a clear error naming any field it does not know."""
     if not text:
         return KVTransferConfig()
-    try:
-        raw: Any = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
-    require(isinstance(raw, dict), "--kv-transfer-config must be a JSON object")
-    raw = {k: v for k, v in raw.items() if k not in _INERT}
-    _refuse_unknown(raw, KVTransferConfig, "")
+    flag = "--kv-transfer-config"
+    raw = {k: v for k, v in json_object(text, flag).items() if k not in _INERT}
+    refuse_unknown_fields(raw, KVTransferConfig, flag)
     extra = raw.pop("kv_connector_extra_config", None) or {}
-    require(
-        isinstance(extra, dict),
-        "--kv-transfer-config: kv_connector_extra_config must be an object",
-    )
-    _refuse_unknown(extra, ExtraConfig, "kv_connector_extra_config.")
+    require(isinstance(extra, dict), f"{flag}: kv_connector_extra_config must be an object")
+    refuse_unknown_fields(extra, ExtraConfig, flag, "kv_connector_extra_config.")
     try:
         return KVTransferConfig(**raw, kv_connector_extra_config=ExtraConfig(**extra))
     except TypeError as e:
-        raise ValueError(f"--kv-transfer-config: {e}") from None
-
-
-def _refuse_unknown(raw: dict[str, Any], cls: type, prefix: str) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - known)
-    require(
-        not unknown,
-        f"--kv-transfer-config: unknown field {prefix}{', '.join(unknown)} "
-        f"(known: {', '.join(sorted(known))})",
-    )
+        raise ValueError(f"{flag}: {e}") from None

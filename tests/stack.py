@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,22 @@ class TandemStack:
         elif (report := self.down_report()) is not None:
             print(report)  # shown beside the failure a stack that died early causes
         self._remove_log()
+
+
+@contextlib.contextmanager
+def started_together(stacks: dict[str, TandemStack]) -> Iterator[dict[str, TandemStack]]:
+    """Start every stack at once (their model loads overlap), wait until each is
+    healthy; at the end stop those still running (a test may have killed some)."""
+    try:
+        for stack in stacks.values():
+            stack.start(wait=False)
+        for stack in stacks.values():
+            stack.wait_healthy()
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            if stack.proc is not None and stack.proc.poll() is None:
+                stack.stop()
 
 
 def completion(url: str, prompt: str | list[int] | list[str], **params: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.test_fleet_pd import metric
-from tests.stack import TandemStack, free_port
+from tests.stack import TandemStack, free_port, started_together
 
 MODEL = "smollm2-135m-instruct"
 KEYS = ("alice-key", "mallory-key")
@@ -42,16 +42,8 @@ def instances(smollm2_dir: Path) -> Iterator[dict[str, TandemStack]]:
         "d_recompute": instance("kv_consumer"),
         "d_fail": instance("kv_consumer", kv_load_failure_policy="fail"),
     }
-    try:
-        for stack in stacks.values():
-            stack.start(wait=False)
-        for stack in stacks.values():
-            stack.wait_healthy()
+    with started_together(stacks):
         yield stacks
-    finally:
-        for stack in stacks.values():
-            if stack.proc is not None and stack.proc.poll() is None:
-                stack.stop()
 
 
 def post(stack: TandemStack, body: dict[str, Any], key: str = KEYS[0]) -> httpx.Response:

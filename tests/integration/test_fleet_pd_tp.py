@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.test_fleet_pd import BLOCK, metric, prompts
 from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack, free_port
+from tests.stack import TandemStack, free_port, started_together
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 10
@@ -39,16 +39,8 @@ def instances(smollm2_dir: Path) -> Iterator[dict[str, TandemStack]]:
         "p_tp1": instance("kv_producer", 1),
         "d_tp2": instance("kv_consumer", 2),
     }
-    try:
-        for stack in stacks.values():
-            stack.start(wait=False)
-        for stack in stacks.values():
-            stack.wait_healthy()
+    with started_together(stacks):
         yield stacks
-    finally:
-        for stack in stacks.values():
-            if stack.proc is not None and stack.proc.poll() is None:
-                stack.stop()
 
 
 def complete(stack: TandemStack, prompt: list[int], **extra: Any) -> dict[str, Any]:
@@ -78,7 +70,9 @@ def test_a_pull_between_tensor_parallel_sizes_reshards_and_keeps_the_tokens(
     )
     for prompt in batch:
         reference = complete(instances["p_tp1"], prompt)["choices"][0]["token_ids"]
-        first = complete(producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        first = complete(
+            producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
         params = first["kv_transfer_params"]
         assert params["tp_size"] == (2 if pair[0] == "p_tp2" else 1)
         ours = complete(consumer, prompt, kv_transfer_params=params)["choices"][0]["token_ids"]
