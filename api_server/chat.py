@@ -16,6 +16,7 @@ from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
 from api_server.generation import CompletionService, Piece
 from api_server.http_util import sse, validate
+from api_server.prompt_logprobs import vllm_prompt_logprobs
 from api_server.protocol import ChatCompletionRequest, GenerationRequest, unknown_fields
 from common.messages import ModelInfo, TokenLogprobs
 
@@ -200,7 +201,7 @@ class ChatFormat:
             if gen.request.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
-        return {
+        body = {
             "id": gen.request_id,
             "object": "chat.completion",
             "created": gen.created,
@@ -208,3 +209,10 @@ class ChatFormat:
             "choices": choices,
             "usage": gen.usage(),
         }
+        first = gen.choices[0]
+        scored = first.collected[0].prompt_logprobs if first.collected else None
+        if gen.request.prompt_logprobs is not None and scored is not None:  # as vLLM: top level
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.service.tokenizer, first.prompt.ids, scored
+            )
+        return body

@@ -13,6 +13,7 @@ from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import OPENAI_ERRORS, ErrorFormat, error_body
 from api_server.generation import CompletionService, Piece
 from api_server.http_util import sse, validate
+from api_server.prompt_logprobs import echo_logprobs, joined, vllm_prompt_logprobs
 from api_server.protocol import CompletionRequest, GenerationRequest, unknown_fields
 from common.messages import ModelInfo, TokenLogprobs
 
@@ -86,24 +87,52 @@ class CompletionFormat:
         return []
 
     def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
-        echo = choice.prompt.echo if len(choice.collected) == 1 else ""
-        logprobs = completion_logprobs(
-            self.service.tokenizer, piece.token_ids, piece.logprobs, choice.text_offset
+        req = gen.request
+        assert isinstance(req, CompletionRequest)  # parse() made it
+        first = len(choice.collected) == 1
+        echo = choice.prompt.echo if first else ""
+        tokenizer = self.service.tokenizer
+        made = not req.scores_only  # max_tokens 0: the sampled token is not shown
+        logprobs = (
+            completion_logprobs(
+                tokenizer, piece.token_ids, piece.logprobs, choice.text_offset + len(echo)
+            )
+            if made
+            else None
         )
-        choice.text_offset += len(echo) + len(piece.text)
+        if first and req.echo and req.logprobs is not None and piece.prompt_logprobs:
+            logprobs = joined(
+                echo_logprobs(tokenizer, choice.prompt.ids, piece.prompt_logprobs), logprobs
+            )
+        text = echo + (piece.text if made else "")
+        choice.text_offset += len(text)
         body: dict[str, Any] = {
             "index": choice.index,
-            "text": echo + piece.text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": piece.finish_reason,
         }
+        if first and req.prompt_logprobs is not None and piece.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(
+                tokenizer, choice.prompt.ids, piece.prompt_logprobs
+            )
         if gen.request.return_token_ids:
-            body["token_ids"] = piece.token_ids
+            body["token_ids"] = piece.token_ids if made else []
         options = gen.request.stream_options
         all_done = all(c.last is not None and c.last.finish_reason for c in gen.choices)
         continuous = options is not None and options.continuous_usage_stats
-        usage = gen.usage() if all_done or continuous else None
+        usage = self._usage(gen) if all_done or continuous else None
         return [sse(self._chunk(gen, body, usage))]
+
+    @staticmethod
+    def _usage(gen: Generation) -> dict[str, Any]:
+        """Usage, with no completion tokens where the request only scores its prompt."""
+        usage = gen.usage()
+        assert isinstance(gen.request, CompletionRequest)  # parse() made it
+        if gen.request.scores_only:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
 
     def stream_end(self, gen: Generation) -> list[str]:
         return [sse("[DONE]")]
@@ -112,22 +141,37 @@ class CompletionFormat:
         return [sse(error_body(message, "server_error")), sse("[DONE]")]
 
     def body(self, gen: Generation) -> dict[str, Any]:
+        req = gen.request
+        assert isinstance(req, CompletionRequest)  # parse() made it
+        tokenizer = self.service.tokenizer
+        made = not req.scores_only  # max_tokens 0: the sampled token is not shown
         choices = []
         for c in gen.choices:
-            logprobs = completion_logprobs(
-                self.service.tokenizer,
-                c.token_ids,
-                [lp for p in c.collected for lp in p.logprobs],
-                0,
+            logprobs = (
+                completion_logprobs(
+                    tokenizer,
+                    c.token_ids,
+                    [lp for p in c.collected for lp in p.logprobs],
+                    len(c.prompt.echo),
+                )
+                if made
+                else None
             )
+            prompt_lps = c.collected[0].prompt_logprobs if c.collected else None
+            if req.echo and req.logprobs is not None and prompt_lps is not None:
+                logprobs = joined(echo_logprobs(tokenizer, c.prompt.ids, prompt_lps), logprobs)
             choice: dict[str, Any] = {
                 "index": c.index,
-                "text": c.prompt.echo + c.text,
+                "text": c.prompt.echo + (c.text if made else ""),
                 "logprobs": logprobs,
                 "finish_reason": c.last.finish_reason if c.last else None,
             }
+            if req.prompt_logprobs is not None and prompt_lps is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    tokenizer, c.prompt.ids, prompt_lps
+                )
             if gen.request.return_token_ids:
-                choice["token_ids"] = c.token_ids
+                choice["token_ids"] = c.token_ids if made else []
                 choice["prompt_token_ids"] = c.prompt.ids
             choices.append(choice)
         body: dict[str, Any] = {
@@ -136,7 +180,7 @@ class CompletionFormat:
             "created": gen.created,
             "model": gen.model,
             "choices": choices,
-            "usage": gen.usage(),
+            "usage": self._usage(gen),
         }
         if gen.request.return_token_ids and len(gen.choices) == 1:
             body["prompt_token_ids"] = gen.choices[0].prompt.ids  # vLLM's place for one prompt

@@ -238,6 +238,12 @@ class GenerationDriver:
         kv_transfer = parse_kv_transfer_params(
             req.kv_transfer_params, len(prompts) * req.n, req.stream
         )
+        if kv_transfer is not None and req.num_prompt_logprobs() is not None:
+            raise ApiError(
+                400,
+                "prompt logprobs come from a prefill here: not with 'kv_transfer_params'",
+                param="prompt_logprobs",
+            )
         request_id = client_request_id(request) or f"{fmt.id_prefix}{uuid.uuid4().hex}"
         gen = Generation(request_id, service.served_model_name, int(time.time()), req, [])
         for prompt in prompts:

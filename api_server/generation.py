@@ -64,6 +64,8 @@ class Piece:
     stop_string: str | None = None  # set on the last piece when a stop string ended it
     # On the last piece of a request prefilled for a remote decode: where its KV waits.
     kv_transfer_params: KVTransferParams | None = None
+    # On the first piece, when asked: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class CompletionService:
@@ -240,6 +242,7 @@ class CompletionService:
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet
         pending_logprobs: list[TokenLogprobs] = []
+        prompt_logprobs: list[TokenLogprobs] | None = None  # until a piece carries them
         last_token_time: float | None = None
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
         async with aclosing(self.client.generate(request, owner)) as outputs:
@@ -258,6 +261,8 @@ class CompletionService:
                         self.metrics.itl.observe(now - last_token_time)
                     last_token_time = now
                 num_cached = max(num_cached, out.num_cached_tokens)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
                 num_tokens += len(out.new_token_ids)
                 pending_ids += out.new_token_ids
                 pending_logprobs += out.logprobs or []
@@ -279,8 +284,9 @@ class CompletionService:
                         pending_logprobs,
                         matcher.matched,
                         out.kv_transfer_params,
+                        prompt_logprobs,
                     )
-                    pending_ids, pending_logprobs = [], []
+                    pending_ids, pending_logprobs, prompt_logprobs = [], [], None
                 if finish is not None:
                     return
 

@@ -167,8 +167,9 @@ class GenerationRequest(_Body):
     functions: list[Any] | None = None
     function_call: Any = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
+    # vLLM's: the logprobs of the prompt's tokens (after the first), with the top-k.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         """400 for parameters whose meaning Tandem cannot honour."""
@@ -178,7 +179,6 @@ class GenerationRequest(_Body):
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "use_beam_search": self.use_beam_search,
-            "prompt_logprobs": self.prompt_logprobs is not None,
             "bad_words": bool(self.bad_words),
         }
         for name, used in refused.items():
@@ -216,6 +216,10 @@ class GenerationRequest(_Body):
     def num_logprobs(self) -> int | None:
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-k prompt logprobs the engine computes (None: none)."""
+        return self.prompt_logprobs
+
     def structured_output(self) -> StructuredOutput | None:
         """The one output constraint asked for, in whichever spelling (400 if several)."""
         return structured_output_of(
@@ -250,6 +254,7 @@ class GenerationRequest(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             min_tokens=self.min_tokens,
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=None
@@ -278,7 +283,8 @@ class CompletionRequest(GenerationRequest):
     prompt: (
         str | TokenIds | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (a prompt scored, nothing made).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True
@@ -291,11 +297,28 @@ class CompletionRequest(GenerationRequest):
             raise ApiError(400, "'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise ApiError(422, "'echo' together with 'logprobs' is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "'max_tokens' 0 needs 'echo': true", param="max_tokens")
+
+    def requested_max_tokens(self) -> int | None:
+        # max_tokens 0 scores the prompt: the engine samples one token, the answer drops it
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt and its logprobs, no completion."""
+        return self.max_tokens == 0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` scores the prompt too (lm-evaluation-harness's
+        loglikelihood); ``prompt_logprobs`` asks vLLM's way. The larger top-k of both."""
+        asked = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""

@@ -97,6 +97,9 @@ class SamplingParams(_Wire):
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     structured: StructuredOutput | None = None  # JSON schema, regex, choice or grammar
+    # Logprobs of the prompt's tokens after the first, with the top-k at each (vLLM's
+    # prompt_logprobs); such a request is never served from the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +113,7 @@ class TokenLogprobs(_Wire):
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0  # its place among the vocabulary by logprob, from 1 (0: not computed)
 
 
 # ---------------------------------------------------------------- api_server -> engine
@@ -178,6 +182,8 @@ class RequestOutput(_Wire):
     # On the last output of a request prefilled for a remote decode: where its KV waits.
     kv_transfer_params: KVTransferParams | None = None
     error_param: str | None = None  # the request field an INVALID error is about
+    # On the first output of a request that asked: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(_Wire):
@@ -394,6 +400,9 @@ class ModelRunnerOutput(_Wire, tag=True):
     kv_copied: list[str] = []  # transfers whose blocks were copied out: free to reuse
     kv_results: list[KVTransferResult] = []
     num_threads: int = 0  # the CPU threads this worker ran the step on (0: not said)
+    # Per request that asked: the logprobs of the prompt tokens this step's positions
+    # predict (worker/prompt_logprobs.py), in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 class KVTransferStatus(_Wire, tag=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from common.fleet_messages import KVTransferParams
-from common.messages import EngineRequest, FinishReason, SamplingParams
+from common.messages import EngineRequest, FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +59,8 @@ class Request:
         self.handoff_started: float | None = None  # split pools: when the prompt was done
         # A fleet's prefill/decode split: asks a remote decode, or brings remote KV.
         self.kv_transfer = kv_transfer
+        # Asked for prompt logprobs: they gather here chunk by chunk, for its first output.
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @staticmethod
     def from_engine_request(r: EngineRequest) -> Request:

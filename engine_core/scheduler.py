@@ -240,7 +240,11 @@ class Scheduler:
             extend_block_hashes(
                 request.block_hashes, request.token_ids, self.kv.block_size, request.cache_salt
             )
-            hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            hits = (
+                []  # its prompt logprobs come from the prefill: nothing is skipped
+                if request.sampling_params.prompt_logprobs is not None
+                else self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            )
             num_computed = len(hits) * self.kv.block_size
             remaining = request.num_tokens - num_computed
             n = min(remaining, budget, self._prefill_cap)
@@ -293,6 +297,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_scheduled_ahead = request.num_output_placeholders = 0
+        if not request.first_output_sent:
+            request.prompt_logprobs = []  # its prefill starts over
         self.waiting.readd_preempted(request)
         self._finished_for_workers.append(request.request_id)  # workers drop its state
         request.sent_to_workers = False
@@ -325,6 +331,10 @@ class Scheduler:
                     request.num_computed_tokens,
                     request.token_ids,
                 )
+        for request_id, entries in result.prompt_logprobs.items():
+            maybe = self.requests.get(request_id)
+            if maybe is not None and in_step.get(request_id) is maybe:
+                maybe.prompt_logprobs += entries
         outputs: ClientOutputs = {}
         logprobs = result.logprobs or [None] * len(result.request_ids)
         for request_id, token, lp in zip(
@@ -341,6 +351,8 @@ class Scheduler:
             out = RequestOutput(request_id, [token], reason, logprobs=None if lp is None else [lp])
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
+                if request.sampling_params.prompt_logprobs is not None:
+                    out.prompt_logprobs = request.prompt_logprobs
                 request.first_output_sent = True
                 request.first_token_time = self._clock()
             if reason is not None:

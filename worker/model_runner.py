@@ -34,6 +34,7 @@ from worker.models.loader import load_model, read_hf_config
 from worker.models.quantizers import WeightQuantizer
 from worker.ops import pick_ops
 from worker.parallel import TensorParallel
+from worker.prompt_logprobs import PromptSpan, compute_prompt_logprobs, prompt_span
 from worker.sampler import SamplingBatch, sample
 from worker.structured import GrammarMatcher, StructuredOutputs
 
@@ -178,10 +179,22 @@ class ModelRunner:
         lengths: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        spans: list[PromptSpan] = []
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
+            span = prompt_span(
+                request_id,
+                state.token_ids,
+                state.num_prompt_tokens,
+                start,
+                end,
+                len(input_ids),
+                state.sampling_params.prompt_logprobs,
+            )
+            if span is not None:
+                spans.append(span)
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             block_tables.append(state.block_ids)
@@ -199,8 +212,11 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        prompt_lps = compute_prompt_logprobs(hidden, spans, self.model.compute_logits)
+        if self.tp.rank > 0:
+            prompt_lps = {}  # rank 0 reports them
         if not sample_rows:
-            return ModelRunnerOutput(step.step_id, [], [])
+            return ModelRunnerOutput(step.step_id, [], [], prompt_logprobs=prompt_lps)
         if len(sample_rows) < len(input_ids):  # rows that do not sample: prefill chunks
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             hidden = hidden.index_select(0, rows)
@@ -237,7 +253,9 @@ class ModelRunner:
             state.token_ids.append(token)
             if state.grammar is not None:
                 state.grammar.advance(token)
-        return ModelRunnerOutput(step.step_id, sample_ids, result.token_ids, result.logprobs)
+        return ModelRunnerOutput(
+            step.step_id, sample_ids, result.token_ids, result.logprobs, prompt_logprobs=prompt_lps
+        )
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
