@@ -6,7 +6,9 @@ chunked prefill (a prompt over the step's 512 tokens), and with the prompt cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir: Path):  # type: ignore[no-untyped-def]
+def reference(smollm2_dir: Path) -> tuple[Any, Callable[[list[int]], torch.Tensor]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
@@ -35,28 +37,31 @@ def reference(smollm2_dir: Path):  # type: ignore[no-untyped-def]
     return tok, logprobs
 
 
-def ids_of(tok, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+Reference = tuple[Any, Callable[[list[int]], torch.Tensor]]
+
+
+def ids_of(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text))
 
 
-def complete(server: TandemStack, body: dict[str, object]) -> dict[str, object]:
+def complete(server: TandemStack, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(
         f"{server.url}/v1/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=300
     )
     assert r.status_code == 200, r.text
-    reply: dict[str, object] = r.json()
+    reply: dict[str, Any] = r.json()
     return reply
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
-    server: TandemStack, reference, max_tokens: int  # type: ignore[no-untyped-def]
+    server: TandemStack, reference: Reference, max_tokens: int
 ) -> None:
     tok, logprobs_of = reference
     text = "The capital of France is Paris, and the capital of Italy is Rome."
     ids = ids_of(tok, text)
     reply = complete(server, {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens})
-    (choice,) = reply["choices"]  # type: ignore[misc]
+    (choice,) = reply["choices"]
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(ids) + max_tokens
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -68,13 +73,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(
     assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids]
     assert choice["text"].startswith(tok.decode(ids))
     usage = reply["usage"]
-    assert usage["completion_tokens"] == max_tokens  # type: ignore[index]
+    assert usage["completion_tokens"] == max_tokens
     if max_tokens == 0:
         assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "length"
 
 
 def test_prompt_logprobs_through_chunks_and_with_the_prompt_cached(
-    server: TandemStack, reference  # type: ignore[no-untyped-def]
+    server: TandemStack,
+    reference: Reference,
 ) -> None:
     tok, logprobs_of = reference
     long_text = " ".join(f"Item {i} is a number that follows {i - 1}." for i in range(1, 90))
@@ -83,7 +89,7 @@ def test_prompt_logprobs_through_chunks_and_with_the_prompt_cached(
     expected = logprobs_of(ids).tolist()
     for attempt in range(2):  # the second finds the prompt cached, and recomputes it
         reply = complete(server, {"prompt": ids, "prompt_logprobs": 2, "max_tokens": 2})
-        (choice,) = reply["choices"]  # type: ignore[misc]
+        (choice,) = reply["choices"]
         scored = choice["prompt_logprobs"]
         assert len(scored) == len(ids) and scored[0] is None
         got = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:], strict=True)]
