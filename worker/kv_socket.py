@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 SCHEME = "kvtcp://"
 _MAX_HEADER = 1 << 16
 _SOCKET_BUFFER = 8 << 20  # fewer wake-ups per transfer on either side
+_SEND_TIMEOUT_S = 30.0
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -53,23 +54,30 @@ class SocketSender:
         self._sockets: dict[str, socket.socket] = {}
 
     def send(self, destination: str, header: bytes, frames: list[memoryview]) -> None:
-        """Write one transfer; raises OSError if the connection fails."""
-        sock = self._sockets.get(destination)
-        try:
-            if sock is None:
-                sock = socket.create_connection(split_address(destination), timeout=10)
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-                self._sockets[destination] = sock
-            sock.sendall(len(header).to_bytes(4, "big") + header)
-            for frame in frames:
-                sock.sendall(frame)
-        except OSError:
-            dropped = self._sockets.pop(destination, None)
-            if dropped is not None:
-                dropped.close()
-            raise
+        """Write one transfer; raises OSError if it cannot. A kept connection that turns
+        out closed (the receiver restarted) is redialled once before giving up."""
+        for attempt in (1, 2):
+            fresh = destination not in self._sockets
+            sock = self._sockets.get(destination) or self._dial(destination)
+            try:
+                sock.sendall(len(header).to_bytes(4, "big") + header)
+                for frame in frames:
+                    sock.sendall(frame)
+                return
+            except OSError:
+                self._sockets.pop(destination, None)
+                sock.close()
+                if fresh or attempt == 2:
+                    raise
+
+    def _dial(self, destination: str) -> socket.socket:
+        sock = socket.create_connection(split_address(destination), timeout=10)
+        # A receiver that stops reading fails the transfer (within a lease), not the thread.
+        sock.settimeout(_SEND_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        self._sockets[destination] = sock
+        return sock
 
     def close(self) -> None:
         for sock in self._sockets.values():
