@@ -2,9 +2,10 @@
 
 The life of a request, and the module that handles each step:
 
-1. ``api_server/app.py`` parses the HTTP body, tokenizes the prompt and sends an
+1. ``api_server/driver.py`` parses the HTTP body (the flavour's format object),
+   ``api_server/generation.py`` validates and tokenizes the prompt and sends an
    ``EngineRequest`` over the engine's input socket (``api_server/client.py``).
-2. ``engine_core/core.py``'s input thread decodes it and queues it for the step loop;
+2. ``engine_core/proc.py``'s input thread decodes it and queues it for the step loop;
    the ``Scheduler`` (``engine_core/scheduler.py``) admits it when the token budget,
    ``max_num_seqs`` and free KV blocks (``engine_core/kv_cache.py``) allow.
 3. Each step the scheduler emits a ``SchedulerOutput``: a ``NewRequestData`` the first
