@@ -8,11 +8,11 @@ setup) prints as a table, one row per record, nested dicts flattened into dotted
 (``summary.itl_s.p50``, shown by their shortest unambiguous tail); a column with the same
 value in every row is printed once below the table instead; where every record holds one
 list of few or small records (an offline run's ``points``), each inner record is a row; a
-list of more than three numbers prints as its count, median and max. A table wider than
-120 characters prints turned (a row per field) when it has few rows, in slices of columns
-otherwise. Everything else prints as ``key: value`` lines. Values are as the JSON holds
-them (seconds in ``*_s``, bytes in ``*_bytes``). A file that cannot be read prints why,
-and the other files still print (exit status 1).
+list of numbers prints whole up to three in a cell (ten on a line), as its count, median and
+max beyond. A table wider than 120 characters prints turned (a row per field) when it has few
+rows, in slices of columns otherwise. Everything else prints as ``key: value`` lines. Values
+are as the JSON holds them (seconds in ``*_s``, bytes in ``*_bytes``). A file that cannot be
+read prints why, and the other files still print (exit status 1).
 """
 
 from __future__ import annotations
