@@ -120,7 +120,10 @@ CASES = {
         "top_p",
     ),
     "out of range": Case.of(COMPLETIONS, prompt(temperature=5), 422, "temperature", "2"),
-    "negative max_tokens": Case.of(COMPLETIONS, prompt(max_tokens=0), 422, "max_tokens", "1"),
+    "negative max_tokens": Case.of(COMPLETIONS, prompt(max_tokens=-1), 422, "max_tokens", "0"),
+    "max_tokens 0 without echo": Case.of(
+        COMPLETIONS, prompt(max_tokens=0), 400, "max_tokens", "echo"
+    ),
     "17 stop strings": Case.of(
         COMPLETIONS, prompt(stop=[f"s{i}" for i in range(17)]), 422, "stop", "16"
     ),

@@ -29,7 +29,8 @@ def test_engine_request_encoding_is_pinned() -> None:
         b"c",
         [1, 2],
         # ... min_tokens, then logit_bias, allowed_token_ids, structured (appended)
-        [3, 0.5, 1.0, 0, None, [], False, 0.0, 1.0, 0.0, 0.0, None, 0, None, None, None],
+        # ... then prompt_logprobs (appended)
+        [3, 0.5, 1.0, 0, None, [], False, 0.0, 1.0, 0.0, 0.0, None, 0, None, None, None, None],
         2.0,
         1,
         None,  # cache_salt, appended after priority
@@ -64,6 +65,7 @@ def test_finish_reason_words() -> None:
         None,
         None,  # kv_transfer_params, appended after timings
         None,  # error_param
+        None,  # prompt_logprobs
     ]
 
 

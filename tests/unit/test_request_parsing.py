@@ -126,7 +126,6 @@ def test_refusals_of_what_cannot_be_honoured() -> None:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ]
     for fields, param in cases:
         with pytest.raises(ApiError) as refused:
@@ -137,6 +136,15 @@ def test_refusals_of_what_cannot_be_honoured() -> None:
         CompletionRequest.model_validate(
             {"model": "m", "prompt": "x", "best_of": 3}
         ).refuse_unsupported()
+    with pytest.raises(ApiError, match="needs 'echo'"):  # 0 only scores a prompt
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "max_tokens": 0}
+        ).refuse_unsupported()
+    scoring = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 2}
+    )
+    scoring.refuse_unsupported()  # echo with logprobs: served (prompt logprobs)
+    assert (scoring.requested_max_tokens(), scoring.num_prompt_logprobs()) == (1, 2)
 
 
 def test_sampling_defaults_fill_only_what_the_request_omits() -> None:
