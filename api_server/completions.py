@@ -100,7 +100,7 @@ class CompletionFormat:
             if made
             else None
         )
-        if first and req.echo and req.logprobs is not None and piece.prompt_logprobs:
+        if first and req.echo and req.logprobs is not None and piece.prompt_logprobs is not None:
             logprobs = joined(
                 echo_logprobs(tokenizer, choice.prompt.ids, piece.prompt_logprobs), logprobs
             )

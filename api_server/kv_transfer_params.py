@@ -9,6 +9,7 @@ the prefill instance's to check (``engine_core/kv_leases.py``).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -18,6 +19,10 @@ from api_server.errors import ApiError
 from common.fleet_messages import KVTransferParams
 
 FIELD = "kv_transfer_params"
+# A DNS name: dot-separated labels of letters, digits and inner hyphens.
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 MAX_BLOCKS = 1 << 20
 _AT = re.compile(r"at `\$\.?(\w*)")
 
@@ -56,6 +61,14 @@ def parse_kv_transfer_params(raw: Any, num_choices: int, stream: bool) -> KVTran
     return params
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def _check_remote(params: KVTransferParams) -> None:
     """What a decode instance needs to reach the prefill instance's lease."""
     required: dict[str, object] = {
@@ -78,7 +91,7 @@ def _check_remote(params: KVTransferParams) -> None:
             400, f"'{FIELD}.remote_port' {port} is no port", param=f"{FIELD}.remote_port"
         )
     host = params.remote_host or ""
-    if len(host) > 253 or not re.fullmatch(r"[A-Za-z0-9.\-:\[\]]+", host):
+    if len(host) > 253 or not (_HOSTNAME.fullmatch(host) or _is_ip(host)):
         raise ApiError(400, f"'{FIELD}.remote_host' is no host name", param=f"{FIELD}.remote_host")
     blocks = params.remote_block_ids or []
     if len(blocks) > MAX_BLOCKS or any(b < 0 for b in blocks):

@@ -363,6 +363,12 @@ class ChatCompletionRequest(GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: no chunk carries them
+            raise ApiError(
+                400,
+                "'prompt_logprobs' is not served with 'stream' on chat",
+                param="prompt_logprobs",
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(
                 400,

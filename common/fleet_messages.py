@@ -35,7 +35,10 @@ class KVTransferParams(msgspec.Struct):
 
     @property
     def side_channel(self) -> str:
-        return f"tcp://{self.remote_host}:{self.remote_port}"
+        host = self.remote_host or ""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address, as ZeroMQ spells it
+        return f"tcp://{host}:{self.remote_port}"
 
 
 class KVPull(msgspec.Struct, array_like=True, tag=True):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 LEASE_OUTCOMES = ("lease_pulled", "lease_released", "lease_failed", "lease_expired", "pull_refused")
 
 Reply = tuple[bytes, KVPullAnswer]  # to the side-channel peer that sent the pull
+_MAX_RANKS = 64  # destinations a pull may name (one per decode rank)
+_SENT_REMEMBERED = 4096  # sends copied out, whose failure may still come
 
 
 @dataclass
@@ -71,7 +74,8 @@ class KVLeases:
         self.stats = stats
         self._clock = clock
         self.leases: dict[str, Lease] = {}
-        self._sending: dict[str, Lease] = {}  # by transfer id
+        self._sending: dict[str, Lease] = {}  # by transfer id, until copied out
+        self._sent: OrderedDict[str, bytes] = OrderedDict()  # copied out: who to tell of a failure
 
     def hold(self, request: Request) -> KVTransferParams:
         """Lend the finished request's full prompt blocks; the params that name them."""
@@ -139,8 +143,12 @@ class KVLeases:
             return "no such lease here: it expired, was pulled already, or never was", None
         if pull.owner != lease.owner_key:
             return "the lease was made with another API key", "kv_transfer_params.remote_request_id"
-        if lease.transfer_id is not None:
-            return "this lease is being pulled already", "kv_transfer_params.remote_request_id"
+        if lease.transfer_id is not None:  # a retried decode leg, say: its policy decides
+            return "this lease is being pulled already", None
+        if not 1 <= len(pull.destinations) <= _MAX_RANKS or not all(
+            d.startswith(("tcp://", "kvtcp://")) for d in pull.destinations
+        ):
+            return "the pull names no usable KV destinations", None
         if pull.block_size != self.kv.block_size:
             return (
                 f"blocks of {pull.block_size} tokens asked, this instance's hold "
@@ -162,20 +170,31 @@ class KVLeases:
         return None
 
     def on_step_done(self, result: ModelRunnerOutput) -> None:
-        """Blocks copied out by the worker: the lease has done its work."""
+        """Blocks copied out by the worker: the lease has done its work (the bytes are
+        still to go; a send that fails later is still reported to the puller)."""
         for transfer_id in result.kv_copied:
             lease = self._sending.pop(transfer_id, None)
             if lease is not None:
+                self._sent[transfer_id] = lease.peer
+                while len(self._sent) > _SENT_REMEMBERED:
+                    self._sent.popitem(last=False)
                 self._end(lease, "lease_pulled")
 
     def on_result(self, result: KVTransferResult) -> list[Reply]:
-        """A send that failed: the decode side is told now rather than at its deadline."""
-        lease = self._sending.pop(result.transfer_id, None)
-        if lease is None or result.ok:
+        """A send that failed: the decode side is told now rather than at its deadline.
+        (Results that land here may be this instance's own landings, with kv_both.)"""
+        if result.ok:
             return []
-        self._end(lease, "lease_failed")
+        lease = self._sending.pop(result.transfer_id, None)
+        if lease is not None:
+            self._end(lease, "lease_failed")
+            peer = lease.peer
+        elif result.transfer_id in self._sent:
+            peer = self._sent.pop(result.transfer_id)
+        else:
+            return []
         error = result.error or "the prefill instance could not send the KV"
-        return [(lease.peer, KVPullAnswer(result.transfer_id, False, error))]
+        return [(peer, KVPullAnswer(result.transfer_id, False, error))]
 
     def tick(self) -> None:
         """Free the leases no decode instance pulled in time."""

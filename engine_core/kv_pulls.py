@@ -3,13 +3,13 @@ computed it (``kv_role`` ``kv_consumer`` or ``kv_both``).
 
 A request whose ``kv_transfer_params`` say ``do_remote_prefill`` waits here until blocks
 for its prompt's full blocks can be allocated (those this instance already caches are
-taken, not pulled), under an owner of their own. The engine then tells its worker where
+taken, not pulled), under an owner of their own. The engine then tells its workers where
 the KV lands (``KVReceive``) and sends the prefill instance a ``KVPull``. Landed and
-checked, the blocks enter the prefix cache and the request queues as any other: the
-scheduler finds them as cached prefix and computes only the prompt's last partial block
-(the block holding the last token is always computed, so its logits can be sampled).
-The pulled blocks stay referenced until the request is admitted, so they are not evicted
-meanwhile.
+checked, the blocks enter the prefix cache (for later requests) and become the request's
+own; the scheduler takes it over as a split pool's decode scheduler takes a hand-off
+(``accept``: it runs ahead of new prompts, and can be preempted like any running
+request), computing only the prompt's last partial block (the block holding the last
+token is always computed, so its logits can be sampled).
 
 Every pull ends once: done, refused (the prefill instance checked it and said no: a
 field at fault is a 400 naming it), failed, expired (no ack within ``ack_timeout_s``, or
@@ -48,6 +48,8 @@ class Pull:
     num_full: int  # the prompt's full blocks wanted
     deadline: float  # for the ack, then for landing
     started: float
+    dst_blocks: list[int]  # where it lands, each valid at its generation
+    dst_generations: list[int]
     awaiting: int = 1  # ranks yet to report their heads landed
     num_bytes: int = 0
     acked: bool = False
@@ -68,9 +70,11 @@ class KVPulls:
         times: PullTimes,
         policy: FailurePolicy,
         stats: HandoffStats,
+        engine_id: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
+        self.engine_id = engine_id  # this instance's, in its transfer ids
         self.kv = scheduler.kv
         self.side = side  # the unified pool's orders: the receives go there
         self.destinations = destinations  # each rank's KV receiver (it lands its heads)
@@ -81,7 +85,6 @@ class KVPulls:
         self.pending: deque[Request] = deque()  # waiting for blocks
         self.active: dict[str, Pull] = {}  # by transfer id
         self._by_request: dict[str, Pull] = {}
-        self._landed: dict[str, tuple[Request, str]] = {}  # queued, blocks still held
         self.outbox: list[Send] = []
         self._ids = itertools.count()
 
@@ -104,6 +107,7 @@ class KVPulls:
             return _invalid(request, message, "kv_transfer_params.block_size")
         if self.kv.num_blocks_for(request.num_tokens + 1) > self.kv.num_blocks:
             return error_output(request, "this instance's KV cache cannot hold the request")
+        request.received_time = self._clock()
         extend_block_hashes(request.block_hashes, request.token_ids, size, request.cache_salt)
         if self._num_to_pull(request) == 0:  # cached here, or too short to have full blocks
             self._release(request)
@@ -127,10 +131,18 @@ class KVPulls:
 
     def _place(self) -> ClientOutputs:
         """Allocate blocks for waiting pulls, oldest first, while they fit; send them."""
+        out: ClientOutputs = {}
         while self.pending:
             request = self.pending[0]
+            if self._num_to_pull(request) == 0:  # another request cached them meanwhile
+                self.pending.popleft()
+                self._release(request)
+                self.stats.ended("local_prefill")
+                merge(out, self._queue(request))
+                continue
             hits, num_full = self._hits(request), self._num_full(request)
-            owner = f"pull:{request.request_id}"
+            transfer_id = f"{request.request_id}#pull{next(self._ids)}@{self.engine_id}"
+            owner = f"pull:{transfer_id}"
             if not self.kv.can_allocate(owner, num_full * self.kv.block_size, hits):
                 break  # wait for blocks to free
             self.pending.popleft()
@@ -138,22 +150,22 @@ class KVPulls:
             dst = self.kv.blocks_of(owner)[len(hits) : num_full]
             now = self._clock()
             pull = Pull(
-                f"{request.request_id}#pull{next(self._ids)}",
+                transfer_id,  # unique across decode instances: the prefill side keys by it
                 request,
                 owner,
                 len(hits),
                 num_full,
                 now + self.times.ack_s,
                 now,
+                dst,
+                self.kv.generations_of(dst),
                 awaiting=len(self.destinations),
             )
             self.active[pull.transfer_id] = pull
             self._by_request[request.request_id] = pull
-            self.side.orders.receives.append(
-                KVReceive(pull.transfer_id, dst, self.kv.generations_of(dst))
-            )
+            self.side.orders.receives.append(KVReceive(pull.transfer_id, dst, pull.dst_generations))
             self._send(request, pull.transfer_id, len(hits), num_full)
-        return {}
+        return out
 
     def _send(self, request: Request, transfer_id: str, first: int, end: int) -> None:
         """Ask the prefill instance for blocks ``first:end`` (none: it may free them)."""
@@ -211,15 +223,19 @@ class KVPulls:
         pull.num_bytes += result.num_bytes
         if pull.awaiting > 0:
             return {}  # another rank's heads are still on the way
+        if not self.kv.is_current(pull.dst_blocks, pull.dst_generations):
+            # Cannot happen while the pull is active; refused rather than trusted.
+            return self._failed(pull, "failed", "a landed block was reused meanwhile", False)
         request = pull.request
         self._end(pull, cancel=False)
-        size = self.kv.block_size
-        self.kv.cache_full_blocks(
-            pull.owner, request.block_hashes, pull.num_full * size, request.token_ids
-        )
+        num_tokens = pull.num_full * self.kv.block_size
+        self.kv.cache_full_blocks(pull.owner, request.block_hashes, num_tokens, request.token_ids)
+        self.kv.rename(pull.owner, request.request_id)  # the blocks are the request's now
+        self.kv.record_lookup(request.num_prompt_tokens, num_tokens)
+        request.num_computed_tokens = request.num_cached_tokens = num_tokens
         self.stats.ended("done", self._clock() - pull.started, pull.num_bytes)
-        self._landed[request.request_id] = (request, pull.owner)
-        return self._queue(request)
+        self.scheduler.accept(request)
+        return {}
 
     def tick(self) -> ClientOutputs:
         """Place what now fits; end pulls past their deadline; let go of the blocks of
@@ -234,10 +250,6 @@ class KVPulls:
                     else f"no answer from the prefill instance within {self.times.ack_s:g} s"
                 )
                 merge(out, self._failed(pull, "expired", why, release=True))
-        for request_id, (request, owner) in list(self._landed.items()):
-            if request.status != RequestStatus.WAITING:
-                del self._landed[request_id]
-                self.kv.free(owner)
         return out
 
     # ------------------------------------------------------------------ endings
@@ -285,9 +297,6 @@ class KVPulls:
                 self.pending.remove(request)
             self.stats.ended(outcome)
             merge(out, error_output(request, reason))
-        for _, owner in self._landed.values():
-            self.kv.free(owner)
-        self._landed.clear()
         return out
 
 

@@ -29,6 +29,7 @@ Deliver = Callable[[bytes, PeerMessage], None]
 
 _OUT_ADDRESS = "inproc://kv-side-channel-out"
 _REPLY, _SEND = b"r", b"s"
+_MAX_PEERS = 256  # prefill instances a decode instance keeps a connection to
 
 
 class KVSideChannel:
@@ -61,9 +62,14 @@ class KVSideChannel:
         self._thread.start()
 
     def send(self, to: bytes | str, message: PeerMessage) -> None:
-        """From the step loop: answer a peer (its identity) or send to an address."""
+        """From the step loop: answer a peer (its identity) or send to an address. Never
+        blocks the loop: a message the thread cannot take is dropped (its pull's ack
+        timeout, or the lease's expiry, ends what it was about)."""
         kind, target = (_REPLY, to) if isinstance(to, bytes) else (_SEND, to.encode())
-        self._out.send_multipart([kind, target, self._encoder.encode(message)])
+        try:
+            self._out.send_multipart([kind, target, self._encoder.encode(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("side channel busy: a message for %r was dropped", to)
 
     def close(self) -> None:
         self._stop.set()
@@ -80,14 +86,21 @@ class KVSideChannel:
             poller.register(self._router, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in poller.poll(100):
-                if sock is self._out_pull:
-                    kind, target, frame = self._out_pull.recv_multipart()
-                    self._forward(kind, target, frame, dealers, poller)
-                elif sock is self._router and self._router is not None:
-                    identity, frame = self._router.recv_multipart()
-                    self._take(identity, frame, decoder, encoder)
-                else:
-                    self._take(b"", sock.recv(), decoder, encoder)
+                # One bad frame or address costs that message, never the thread.
+                try:
+                    if sock is self._out_pull:
+                        kind, target, frame = self._out_pull.recv_multipart()
+                        self._forward(kind, target, frame, dealers, poller)
+                    elif sock is self._router and self._router is not None:
+                        parts = self._router.recv_multipart()
+                        if len(parts) == 2:
+                            self._take(parts[0], parts[1], decoder, encoder)
+                        else:
+                            self.num_malformed_frames += 1
+                    else:
+                        self._take(b"", sock.recv(), decoder, encoder)
+                except (zmq.ZMQError, ValueError) as e:
+                    logger.warning("side channel: %s", e)
         for sock in (*dealers.values(), self._router, self._out_pull):
             if sock is not None:
                 sock.close(linger=0)
@@ -105,15 +118,23 @@ class KVSideChannel:
                 self._router.send_multipart([target, frame])
             return
         address = target.decode()
-        sock = dealers.get(address)
+        sock = dealers.pop(address, None)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             if self._secure_client is not None:
                 self._secure_client(sock)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            dealers[address] = sock
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close()
+                raise
             poller.register(sock, zmq.POLLIN)
+            while len(dealers) >= _MAX_PEERS:  # the least recently used goes
+                oldest = dealers.pop(next(iter(dealers)))
+                poller.unregister(oldest)
+                oldest.close()
+        dealers[address] = sock  # most recently used last
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # never reached: the pull's ack timeout ends it

@@ -63,9 +63,8 @@ def unified_instance(
     scheduler = Scheduler(config.scheduler, kv, ready.model, clock, lender=leases)
     times = PullTimes(instance.kv_connector_extra_config.ack_timeout_s, lease_s)
     destinations = [address for address in kv_addresses if address]
-    pulls = KVPulls(
-        scheduler, side, destinations, times, instance.kv_load_failure_policy, stats, clock
-    )
+    policy = instance.kv_load_failure_policy
+    pulls = KVPulls(scheduler, side, destinations, times, policy, stats, channel.engine_id, clock)
     return scheduler, RemoteKV(instance.role, leases, pulls, side, stats)
 
 
@@ -116,10 +115,9 @@ class RemoteKV:
         return {}
 
     def _result(self, result: KVTransferResult) -> ClientOutputs:
-        replies = self.leases.on_result(result)
-        if replies:
-            self._outbox += replies
-            return {}
+        """A transfer's end on this instance's workers: a send of a lease (failures only)
+        or a landing of a pull; with kv_both pulling from itself, the same id is both."""
+        self._outbox += self.leases.on_result(result)
         return self.pulls.on_result(result)
 
     def abort(self, request_id: str) -> ClientOutputs | None:

@@ -333,7 +333,12 @@ class Scheduler:
                 )
         for request_id, entries in result.prompt_logprobs.items():
             maybe = self.requests.get(request_id)
-            if maybe is not None and in_step.get(request_id) is maybe:
+            # (a prefill recomputed after a preemption has sent them already)
+            if (
+                maybe is not None
+                and in_step.get(request_id) is maybe
+                and not maybe.first_output_sent
+            ):
                 maybe.prompt_logprobs += entries
         outputs: ClientOutputs = {}
         logprobs = result.logprobs or [None] * len(result.request_ids)
@@ -352,7 +357,7 @@ class Scheduler:
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
                 if request.sampling_params.prompt_logprobs is not None:
-                    out.prompt_logprobs = request.prompt_logprobs
+                    out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
                 request.first_output_sent = True
                 request.first_token_time = self._clock()
             if reason is not None:

@@ -3,8 +3,9 @@ has the protocol and the sender).
 
 It binds a plain TCP socket (no keys: ``worker/kv_socket.py``) or a ZeroMQ PULL socket
 (CurveZMQ with ``--curve-keys``); a thread checks each transfer against what the engine
-said would land (``KVReceive``: block ids and their generations) and its checksum, then
-writes it into those blocks. A transfer can arrive before the engine's word (it is then
+said would land (``KVReceive``: its number of blocks) and its checksum, then writes it
+into those blocks (the engine holds them for the transfer, and checks their generations
+when it is told they landed). A transfer can arrive before the engine's word (it is then
 held, bounded) or after the engine cancelled it (it is dropped); a cancel and a write
 never race (one lock). Results go back to the engine with the worker's next step, or at
 once when it is idle (a wake-up on ``NOTIFY_ADDRESS``).
@@ -127,7 +128,13 @@ class KVReceiver:
         except msgspec.DecodeError:
             return None, None, None
         layers, row = len(self._caches), self._row_bytes
-        if header.num_blocks < 1 or header.num_bytes != layers * 2 * header.num_blocks * row:
+        # Never more blocks than this cache holds: a header alone must not size a buffer.
+        too_many = header.num_blocks > self._caches[0].shape[1]
+        if (
+            too_many
+            or header.num_blocks < 1
+            or header.num_bytes != layers * 2 * header.num_blocks * row
+        ):
             why = f"{header.num_bytes} bytes for {header.num_blocks} blocks x {layers} layers"
             return header, None, why
         staged = self._staging.take(header.num_bytes).view(layers, 2, header.num_blocks, row)
@@ -175,7 +182,8 @@ class KVReceiver:
         blocks, row]``; or None and why, when they are not the sizes it announced."""
         layers, row = len(self._caches), self._row_bytes
         per_layer = 2 * header.num_blocks * row
-        if header.num_blocks < 1 or header.num_bytes != layers * per_layer:
+        too_many = header.num_blocks > self._caches[0].shape[1]
+        if too_many or header.num_blocks < 1 or header.num_bytes != layers * per_layer:
             self._drain(sock)
             return (
                 None,

@@ -140,7 +140,13 @@ class KVSender:
     def send(self, order: KVSend, caches: list[torch.Tensor]) -> None:
         """Copy the order's blocks now; the bytes leave from the sender thread. With
         tensor parallelism every prefill rank calls this in the same step (a collective)
-        and rank 0 sends each decode rank its heads."""
+        and rank 0 sends each decode rank its heads. An order that cannot be carried out
+        (no destination, block ids outside the cache) fails its transfer, not the worker."""
+        num_blocks = caches[0].shape[1]
+        if not order.destinations or not all(0 <= b < num_blocks for b in order.block_ids):
+            why = f"no destination, or block ids outside the cache's {num_blocks}"
+            self._failures.put(KVTransferResult(order.transfer_id, False, why))
+            return
         reshard = self._reshard
         ranks = len(order.destinations)
         if (reshard is None or not reshard.needed(ranks)) and caches[0].device.type == "cpu":

@@ -17,12 +17,14 @@ from common.messages import (
     FinishReason,
     KVReceive,
     KVSend,
+    KVTransferResult,
     PoolRole,
     SamplingParams,
 )
 from common.pool_config import DisaggConfig
 from engine_core.core import EngineCore
 from engine_core.kv_cache import KVCacheManager
+from engine_core.remote_kv import RemoteKV
 from engine_core.scheduler import ClientOutputs
 from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool, token_for
@@ -135,11 +137,11 @@ def test_the_decode_instance_pulls_the_full_blocks_and_computes_only_the_last() 
     )
     producer.step()  # its worker copies the blocks out: the lease ends
     assert [s for step in producer.pool.steps for s in step.kv_sends] == [
-        KVSend("r#pull0", [0, 1], ["tcp://fake-decode:1"])
+        KVSend("r#pull0@kv_consumer", [0, 1], ["tcp://fake-decode:1"])
     ]
     consumer.run("r")
     receives = [r for step in consumer.pool.steps for r in step.kv_receives]
-    assert receives == [KVReceive("r#pull0", [0, 1], [1, 1])]
+    assert receives == [KVReceive("r#pull0@kv_consumer", [0, 1], [1, 1])]
     [new] = [n for step in consumer.pool.steps for n in step.new_requests]
     assert new.num_computed_tokens == 8 and new.block_ids == [0, 1, 2]  # 2 tokens computed
     assert tokens(consumer.outputs, "r") == [token_for("r", n) for n in (10, 11, 12)]
@@ -234,12 +236,12 @@ def test_an_acked_pull_not_landed_in_time_expires_and_a_bad_landing_recomputes()
     consumer.clock.now += 31  # acked, never landed
     consumer.run("r")
     assert consumer.outcomes() == {"expired": 1}
-    assert any("r#pull0" in step.kv_cancels for step in consumer.pool.steps)
+    assert any("r#pull0@kv_consumer" in step.kv_cancels for step in consumer.pool.steps)
     consumer.assert_all_free()
     producer.assert_all_free()
 
     producer, consumer = Instance("kv_producer"), Instance("kv_consumer")
-    consumer.pool.fail_transfers.add("r#pull0")
+    consumer.pool.fail_transfers.add("r#pull0@kv_consumer")
     consumer.add("r", prefill(producer))
     carry(producer, consumer)
     producer.step()
@@ -257,7 +259,7 @@ def test_an_abort_while_pulling_cancels_the_landing_and_releases_the_lease() -> 
     pulls = carry(producer, consumer)
     assert [p.block_ids for p in pulls] == [[0, 1], []]  # the pull, then its release
     consumer.step()
-    assert any("r#pull0" in step.kv_cancels for step in consumer.pool.steps)
+    assert any("r#pull0@kv_consumer" in step.kv_cancels for step in consumer.pool.steps)
     producer.step()
     assert consumer.outcomes() == {"aborted": 1}
     assert producer.outcomes() == {"lease_pulled": 1}  # sent already: the release is moot
@@ -274,4 +276,51 @@ def test_an_instance_refuses_params_its_role_does_not_take() -> None:
     producer.clock.now += 31
     producer.step()
     producer.assert_all_free()
+    consumer.assert_all_free()
+
+
+def test_pulls_that_fill_the_cache_still_all_finish() -> None:
+    """Seven pulls of two blocks each into a 16-block cache: landed requests run as
+    hand-offs do, so the scheduler preempts among them when blocks run short, and every
+    one finishes with its own tokens (none waits forever on blocks the pulls hold)."""
+    producer, consumer = Instance("kv_producer"), Instance("kv_consumer")
+    ids = [f"r{i}" for i in range(7)]
+    prompts = {rid: [100 + 10 * i + t for t in range(10)] for i, rid in enumerate(ids)}
+    for rid in ids:
+        producer.add(
+            rid, KVTransferParams(do_remote_decode=True), max_tokens=1, prompt=prompts[rid]
+        )
+    producer.run(*ids)
+    for rid in ids:
+        params = producer.outputs[rid][-1].kv_transfer_params
+        assert params is not None
+        consumer.add(rid, params, prompt=prompts[rid])
+    for _ in range(200):
+        carry(producer, consumer)
+        producer.step()
+        consumer.step()
+        if finished(consumer.outputs, *ids)():
+            break
+    for rid in ids:
+        assert tokens(consumer.outputs, rid) == [token_for(rid, n) for n in (10, 11, 12)]
+    assert consumer.outcomes()["done"] == 7
+    assert consumer.core.stats().num_preemptions_total > 0  # blocks did run short
+    producer.assert_all_free()
+    consumer.assert_all_free()
+
+
+def test_a_send_that_fails_after_the_copy_is_still_reported_to_the_puller() -> None:
+    producer, consumer = Instance("kv_producer"), Instance("kv_consumer", land_polls=10_000)
+    consumer.add("r", prefill(producer))
+    [pull] = carry(producer, consumer)
+    producer.step()  # copied out: the lease ends as pulled
+    assert producer.outcomes() == {"lease_pulled": 1}
+    failure = KVTransferResult(pull.transfer_id, False, "send failed: connection refused")
+    remote = producer.core.remote
+    assert isinstance(remote, RemoteKV)
+    remote.side.on_result(failure)  # the sender thread's report, a step later
+    carry(producer, consumer)
+    consumer.run("r")  # told at once: recomputed, long before the 30 s deadline
+    assert consumer.outcomes() == {"failed": 1}
+    assert tokens(consumer.outputs, "r") == [token_for("r", n) for n in (10, 11, 12)]
     consumer.assert_all_free()
