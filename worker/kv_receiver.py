@@ -26,7 +26,7 @@ import zmq
 from common.messages import KVReceive, KVTransferResult
 from worker.kv_socket import SCHEME, SocketListener, split_address
 from worker.kv_staging import StagingPool, checksum, copy_in, row_bytes
-from worker.kv_transfer import NOTIFY_ADDRESS, Secure, _Cancelled, _Header
+from worker.kv_transfer import NOTIFY_ADDRESS, Secure, _Cancelled, _Header, drain
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ class KVReceiver:
             self._cancelled.add(transfer_id)
 
     def take_results(self) -> list[KVTransferResult]:
-        out = []
-        while not self._results.empty():
-            out.append(self._results.get_nowait())
-        return out
+        return drain(self._results)
 
     def close(self) -> None:
         self._stop.set()

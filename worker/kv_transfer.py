@@ -174,10 +174,7 @@ class KVSender:
         self._cancelled.add(transfer_id)  # not yet sent: skipped
 
     def take_failures(self) -> list[KVTransferResult]:
-        out = []
-        while not self._failures.empty():
-            out.append(self._failures.get_nowait())
-        return out
+        return drain(self._failures)
 
     def close(self) -> None:
         self._work.put(None)
@@ -247,6 +244,14 @@ class KVSender:
             logger.warning("KV transfer %s to %s failed: %s", transfer_id, destination, e)
             self._failures.put(KVTransferResult(transfer_id, False, f"send failed: {e}"))
             return None
+
+
+def drain(results: queue.Queue[KVTransferResult]) -> list[KVTransferResult]:
+    """Every result a thread has queued so far."""
+    out = []
+    while not results.empty():
+        out.append(results.get_nowait())
+    return out
 
 
 def _as_bytes(payload: torch.Tensor) -> list[torch.Tensor]:
