@@ -213,6 +213,6 @@ class ChatFormat:
         scored = first.collected[0].prompt_logprobs if first.collected else None
         if gen.request.prompt_logprobs is not None and scored is not None:  # as vLLM: top level
             body["prompt_logprobs"] = vllm_prompt_logprobs(
-                self.service.tokenizer, first.prompt.ids, scored
+                self.service.tokenizer, first.prompt.ids, scored, gen.request.prompt_logprobs
             )
         return body

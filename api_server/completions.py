@@ -101,9 +101,10 @@ class CompletionFormat:
             else None
         )
         if first and req.echo and req.logprobs is not None and piece.prompt_logprobs is not None:
-            logprobs = joined(
-                echo_logprobs(tokenizer, choice.prompt.ids, piece.prompt_logprobs), logprobs
+            echoed = echo_logprobs(
+                tokenizer, choice.prompt.ids, piece.prompt_logprobs, req.logprobs
             )
+            logprobs = joined(echoed, logprobs)
         text = echo + (piece.text if made else "")
         choice.text_offset += len(text)
         body: dict[str, Any] = {
@@ -114,7 +115,7 @@ class CompletionFormat:
         }
         if first and req.prompt_logprobs is not None and piece.prompt_logprobs is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(
-                tokenizer, choice.prompt.ids, piece.prompt_logprobs
+                tokenizer, choice.prompt.ids, piece.prompt_logprobs, req.prompt_logprobs
             )
         if gen.request.return_token_ids:
             body["token_ids"] = piece.token_ids if made else []
@@ -159,7 +160,8 @@ class CompletionFormat:
             )
             prompt_lps = c.collected[0].prompt_logprobs if c.collected else None
             if req.echo and req.logprobs is not None and prompt_lps is not None:
-                logprobs = joined(echo_logprobs(tokenizer, c.prompt.ids, prompt_lps), logprobs)
+                echoed = echo_logprobs(tokenizer, c.prompt.ids, prompt_lps, req.logprobs)
+                logprobs = joined(echoed, logprobs)
             choice: dict[str, Any] = {
                 "index": c.index,
                 "text": c.prompt.echo + (c.text if made else ""),
@@ -168,7 +170,7 @@ class CompletionFormat:
             }
             if req.prompt_logprobs is not None and prompt_lps is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
-                    tokenizer, c.prompt.ids, prompt_lps
+                    tokenizer, c.prompt.ids, prompt_lps, req.prompt_logprobs
                 )
             if gen.request.return_token_ids:
                 choice["token_ids"] = c.token_ids if made else []

@@ -12,10 +12,11 @@ from common.messages import TokenLogprobs
 
 
 def echo_logprobs(
-    tokenizer: Any, prompt_ids: list[int], logprobs: list[TokenLogprobs]
+    tokenizer: Any, prompt_ids: list[int], logprobs: list[TokenLogprobs], k: int
 ) -> dict[str, Any]:
     """The legacy ``logprobs`` object over the echoed prompt: its first token has none
-    (``null``), each later one its logprob under the positions before it."""
+    (``null``), each later one its logprob under the positions before it, with its
+    ``k`` most likely tokens."""
     tokens = [tokenizer.decode([t]) for t in prompt_ids]
     offsets, at = [], 0
     for token in tokens:
@@ -23,7 +24,10 @@ def echo_logprobs(
         at += len(token)
     top: list[dict[str, float] | None] = [None]
     top += [
-        {tokenizer.decode([t]): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+        {
+            tokenizer.decode([t]): v
+            for t, v in zip(lp.top_token_ids[:k], lp.top_logprobs[:k], strict=True)
+        }
         for lp in logprobs
     ]
     return {
@@ -42,11 +46,11 @@ def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[st
 
 
 def vllm_prompt_logprobs(
-    tokenizer: Any, prompt_ids: list[int], logprobs: list[TokenLogprobs]
+    tokenizer: Any, prompt_ids: list[int], logprobs: list[TokenLogprobs], k: int
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: ``null`` for the first token, then per token a map
     from token id to ``logprob``, ``rank`` and ``decoded_token``: the prompt's own token
-    and the top-k."""
+    and the top ``k``."""
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for token, lp in zip(prompt_ids[1:], logprobs, strict=True):
         entry = {
@@ -56,7 +60,8 @@ def vllm_prompt_logprobs(
                 "decoded_token": tokenizer.decode([token]),
             }
         }
-        for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+        pairs = zip(lp.top_token_ids[:k], lp.top_logprobs[:k], strict=True)
+        for rank, (t, v) in enumerate(pairs, 1):
             entry.setdefault(
                 str(t), {"logprob": v, "rank": rank, "decoded_token": tokenizer.decode([t])}
             )

@@ -112,11 +112,23 @@ def test_chat_prompt_logprobs_and_bad_requests(server: TandemStack) -> None:
     scored = r.json()["prompt_logprobs"]
     assert scored[0] is None and len(scored) == r.json()["usage"]["prompt_tokens"]
     assert all(len(entry) == 1 for entry in scored[1:])  # k = 0: the prompt's own token
+    both = complete(
+        server,
+        {"prompt": "Hello there, friend.", "echo": True, "logprobs": 3, "prompt_logprobs": 1},
+    )
+    (choice,) = both["choices"]
+    assert all(len(top) == 3 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(entry) <= 2 for entry in choice["prompt_logprobs"][1:])  # own + top 1
     refused = [
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 without echo
+        (
+            {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+        ),
         ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ]
     for extra, param in refused:
-        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **extra}, timeout=30)
+        route = "chat/completions" if "messages" in extra else "completions"
+        r = httpx.post(f"{server.url}/v1/{route}", json={"model": MODEL, **extra}, timeout=30)
         assert r.status_code in (400, 422), r.text
         assert param in r.text
