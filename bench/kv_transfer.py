@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 import zmq
 
 from bench.harness import print_table, stream, tandem_server, write_results
+from common.curve import CurveKeys, generate_keys
 from common.messages import KVReceive, KVSend
 from common.shm import new_service_id, segment_name, segments_of, unlink_segment
 from worker.kv_memory import SharedCaches
@@ -63,15 +65,21 @@ def memcpy_s(tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def tcp_s(tokens: int, repeats: int, raw: bool = False) -> float:
+def tcp_s(tokens: int, repeats: int, raw: bool = False, curve: bool = False) -> float:
     """Sender copy-out + wire + receiver check and write, until the receiver reports.
-    ``raw``: the wire without keys (a plain socket), else ZeroMQ (as with CurveZMQ)."""
+    ``raw``: the wire without keys (a plain socket), else ZeroMQ: unencrypted, or
+    encrypted with CurveZMQ (``curve``, the wire between hosts)."""
     blocks = -(-tokens // BLOCK)
     ctx: zmq.Context[Any] = zmq.Context()
     sender_ctx: zmq.Context[Any] = zmq.Context()  # its own I/O thread, as in another process
     src, dst = caches(blocks), [c.clone().zero_() for c in caches(blocks)]
-    receiver = KVReceiver(ctx, dst, "tcp://127.0.0.1:0", raw=raw)
-    sender = KVSender(sender_ctx, BLOCK)
+    keys_dir = tempfile.TemporaryDirectory()
+    keys = CurveKeys(str(generate_keys(keys_dir.name))) if curve else None
+    auth = keys.start_authenticator(ctx) if keys else None
+    receiver = KVReceiver(
+        ctx, dst, "tcp://127.0.0.1:0", secure=keys.make_server if keys else None, raw=raw
+    )
+    sender = KVSender(sender_ctx, BLOCK, keys.make_client if keys else None)
     ids = list(range(blocks))
     times = []
     try:
@@ -88,8 +96,11 @@ def tcp_s(tokens: int, repeats: int, raw: bool = False) -> float:
     finally:
         sender.close()
         receiver.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         sender_ctx.term()
+        keys_dir.cleanup()
     return statistics.median(times)
 
 
@@ -198,6 +209,7 @@ def main() -> None:
         size = kv_bytes(tokens)
         copy, wire = memcpy_s(tokens, args.repeats), tcp_s(tokens, args.repeats)
         raw = tcp_s(tokens, args.repeats, raw=True)
+        curved = tcp_s(tokens, args.repeats, curve=True)
         pull = reshard_pull_s(tokens, args.repeats)
         bare_zmq, bare_socket = wire_s(tokens, args.repeats)
         results.append(
@@ -207,6 +219,7 @@ def main() -> None:
                 "memcpy_s": copy,
                 "tcp_s": wire,
                 "tcp_raw_s": raw,
+                "tcp_curve_s": curved,
                 "pull_s": pull,
                 "bare_zmq_s": bare_zmq,
                 "bare_socket_s": bare_socket,
@@ -216,14 +229,15 @@ def main() -> None:
             [
                 tokens, f"{size / 2**20:.1f}", f"{1000 * copy:.2f}", f"{size / copy / 1e9:.1f}",
                 f"{1000 * raw:.1f}", f"{size / raw / 1e9:.2f}",
-                f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}", "0 bytes moved",
+                f"{1000 * wire:.1f}", f"{size / wire / 1e9:.2f}",
+                f"{1000 * curved:.1f}", f"{size / curved / 1e9:.2f}", "0 bytes moved",
                 f"{1000 * pull:.1f}", f"{size / pull / 1e9:.2f}",
                 f"{size / bare_zmq / 1e9:.2f}", f"{size / bare_socket / 1e9:.2f}",
             ]
         )  # fmt: skip
     print(f"\nKV bytes of one request (SmolLM2 layout, {DTYPE}), {args.repeats} repeats, medians\n")
     header = ["tokens", "MiB", "memcpy ms", "memcpy GB/s", "tcp socket ms", "GB/s"]
-    header += ["tcp zmq (keys) ms", "GB/s", "shm"]
+    header += ["tcp zmq ms", "GB/s", "tcp zmq+curve ms", "GB/s", "shm"]
     ceiling = ["bare zmq GB/s", "bare socket GB/s"]
     print_table([*header, "shm TP2->1 ms", "shm TP2->1 GB/s", *ceiling], rows)
     served: dict[str, Any] = {}
