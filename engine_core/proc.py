@@ -198,7 +198,8 @@ class EngineCoreProc:
 
     def _drained(self) -> bool:
         assert self._drain_deadline is not None
-        if not self.core.num_requests:
+        # Leases too: a decode instance may still pull a prompt this instance answered.
+        if not self.core.num_requests and not self.core.remote.num_leases:
             return True
         if time.monotonic() < self._drain_deadline:
             return False

@@ -90,6 +90,11 @@ class RemoteKV:
     def in_flight(self) -> dict[str, Request]:
         return self.pulls.in_flight
 
+    @property
+    def num_leases(self) -> int:
+        """Prompt blocks lent and not yet pulled (a drain waits for them)."""
+        return len(self.leases.leases)
+
     def add(self, request: Request) -> ClientOutputs:
         """A request whose prompt a prefill instance computed: pull its KV first."""
         return self.pulls.add(request)
@@ -133,6 +138,7 @@ class RemoteKV:
 
 class NoRemoteKV:
     role = KVRole.NONE
+    num_leases = 0
 
     @property
     def in_flight(self) -> dict[str, Request]:

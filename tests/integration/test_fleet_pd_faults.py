@@ -41,6 +41,7 @@ def instances(smollm2_dir: Path) -> Iterator[dict[str, TandemStack]]:
         ),
         "d_recompute": instance("kv_consumer"),
         "d_fail": instance("kv_consumer", kv_load_failure_policy="fail"),
+        "p_drain": instance("kv_producer", kv_port=free_port()),
     }
     with started_together(stacks):
         yield stacks
@@ -158,3 +159,20 @@ def test_a_decode_instance_killed_before_the_pull_lets_the_lease_expire(
     d.stop(signal.SIGKILL)  # it will never pull
     assert outcome(p2.url, "lease_expired", 1, timeout_s=10) == 1, "the lease (2 s) did not expire"
     assert usage(p2.url) == 0.0
+
+
+def test_a_draining_prefill_instance_waits_for_its_leases_to_be_pulled(
+    instances: dict[str, TandemStack],
+) -> None:
+    producer, d = instances["p_drain"], instances["d_fail"]
+    prompt = "While it drains, a prompt it answered is still pulled. " * 5
+    params = prefill_leg(producer, prompt=prompt)
+    assert producer.proc is not None
+    producer.proc.send_signal(signal.SIGTERM)  # drain: no new requests, leases kept
+    time.sleep(1.0)
+    assert producer.proc.poll() is None  # it waits for the lease
+    done_before = outcome(d.url, "done", 0)
+    r = decode_leg(d, params, prompt=prompt)  # fail policy: a lost lease would be a 503
+    assert r.status_code == 200, r.text
+    assert outcome(d.url, "done", done_before + 1) == done_before + 1
+    assert producer.proc.wait(timeout=20) == 0  # then it exits, cleanly
