@@ -30,11 +30,14 @@ from worker.kv_transfer import NOTIFY_ADDRESS, Secure, _Cancelled, _Header, drai
 
 logger = logging.getLogger(__name__)
 
-_EARLY_LIMIT = 64  # transfers held while waiting for the engine's KVReceive
+# Transfers held while waiting for the engine's KVReceive: at most this many, and this
+# many bytes (a burst during a long step; beyond either, the oldest goes).
+_EARLY_LIMIT = 256
+_EARLY_BYTES = 1 << 30
 
 
 class KVReceiver:
-    """Takes transfers on a PULL socket and writes them into the expected blocks."""
+    """Takes transfers on its socket and writes them into the expected blocks."""
 
     def __init__(
         self,
@@ -165,7 +168,9 @@ class KVReceiver:
             order = self._expected.pop(header.transfer_id, None)
             if order is None:
                 self._early[header.transfer_id] = (header, staged, error)
-                while len(self._early) > _EARLY_LIMIT:
+                while len(self._early) > _EARLY_LIMIT or (
+                    len(self._early) > 1 and self._early_bytes() > _EARLY_BYTES  # keep the newest
+                ):
                     dropped, (_, held, _) = self._early.popitem(last=False)
                     self._give(held)
                     logger.warning("dropped KV transfer %s: never expected", dropped)
@@ -206,6 +211,9 @@ class KVReceiver:
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
         while self._more(sock):
             sock.recv()
+
+    def _early_bytes(self) -> int:
+        return sum(h.num_bytes for h, staged, _ in self._early.values() if staged is not None)
 
     def _give(self, staged: torch.Tensor | None) -> None:
         if staged is not None:
