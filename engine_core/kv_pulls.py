@@ -109,10 +109,8 @@ class KVPulls:
             return error_output(request, "this instance's KV cache cannot hold the request")
         request.received_time = self._clock()
         extend_block_hashes(request.block_hashes, request.token_ids, size, request.cache_salt)
-        if self._num_to_pull(request) == 0:  # cached here, or too short to have full blocks
-            self._release(request)
-            self.stats.ended("local_prefill")
-            return self._queue(request)
+        if len(self._hits(request)) >= self._num_full(request):  # cached, or no full block
+            return self._local(request)
         self.pending.append(request)
         return self._place()
 
@@ -126,26 +124,27 @@ class KVPulls:
             : self._num_full(request)
         ]
 
-    def _num_to_pull(self, request: Request) -> int:
-        return max(0, self._num_full(request) - len(self._hits(request)))
+    def _local(self, request: Request) -> ClientOutputs:
+        """Nothing to pull: the prefill instance may free the lease; prefill it here."""
+        self._release(request)
+        self.stats.ended("local_prefill")
+        return self._queue(request)
 
     def _place(self) -> ClientOutputs:
         """Allocate blocks for waiting pulls, oldest first, while they fit; send them."""
         out: ClientOutputs = {}
         while self.pending:
             request = self.pending[0]
-            if self._num_to_pull(request) == 0:  # another request cached them meanwhile
-                self.pending.popleft()
-                self._release(request)
-                self.stats.ended("local_prefill")
-                merge(out, self._queue(request))
-                continue
             hits, num_full = self._hits(request), self._num_full(request)
-            transfer_id = f"{request.request_id}#pull{next(self._ids)}@{self.engine_id}"
-            owner = f"pull:{transfer_id}"
-            if not self.kv.can_allocate(owner, num_full * self.kv.block_size, hits):
+            if len(hits) >= num_full:  # another request cached them meanwhile
+                self.pending.popleft()
+                merge(out, self._local(request))
+                continue
+            if not self.kv.can_allocate(request.request_id, num_full * self.kv.block_size, hits):
                 break  # wait for blocks to free
             self.pending.popleft()
+            transfer_id = f"{request.request_id}#pull{next(self._ids)}@{self.engine_id}"
+            owner = f"pull:{transfer_id}"
             self.kv.allocate(owner, num_full * self.kv.block_size, hits)
             dst = self.kv.blocks_of(owner)[len(hits) : num_full]
             now = self._clock()
@@ -191,7 +190,7 @@ class KVPulls:
             self._send(request, f"{request.request_id}#release", 0, 0)
 
     def _queue(self, request: Request) -> ClientOutputs:
-        """Into the scheduler, as a new request (its pulled blocks as cached prefix)."""
+        """Into the scheduler as a new request, to prefill here."""
         error = self.scheduler.add_request(request)
         return {} if error is None else {request.client_id: [error]}
 

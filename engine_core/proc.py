@@ -125,13 +125,12 @@ class EngineCoreProc:
         if not (instance.role.produces or instance.role.consumes):
             return None
         bind = instance.side_channel_address if instance.role.produces else None
-        wake = self._ctx.socket(zmq.PUSH)
+        wake = self._ctx.socket(zmq.PUSH)  # used by the side channel's thread alone
         wake.connect(_WAKE_ADDRESS)
-        wake_lock = threading.Lock()
 
         def deliver(peer: bytes, message: PeerMessage) -> None:
             self._inputs.put((peer, message))
-            with wake_lock, contextlib.suppress(zmq.Again):
+            with contextlib.suppress(zmq.Again):
                 wake.send(b"", zmq.NOBLOCK)
 
         self._side_wake = wake

@@ -18,7 +18,7 @@ from common.config import TandemConfig
 from common.fleet_messages import KVPull, PeerMessage
 from common.kv_transfer_config import KVRole
 from common.messages import KVTransferResult, KVTransferStats, ModelRunnerOutput, WorkerReady
-from engine_core.handoff import HandoffSide, HandoffStats, merge
+from engine_core.handoff import HandoffSide, HandoffStats
 from engine_core.kv_cache import KVCacheManager
 from engine_core.kv_leases import LEASE_OUTCOMES, KVLeases, SideChannel
 from engine_core.kv_pulls import KVPulls, PullTimes
@@ -133,7 +133,7 @@ class RemoteKV:
 
     def fail_all(self, reason: str, outcome: str = "worker_died") -> ClientOutputs:
         self.leases.release_all()
-        return merge({}, self.pulls.fail_all(reason, outcome))
+        return self.pulls.fail_all(reason, outcome)
 
 
 class NoRemoteKV:
