@@ -19,8 +19,14 @@ from api_server.errors import ApiError
 from api_server.metrics import Metrics
 from api_server.protocol import GenerationRequest, SamplingDefaults, finish_reason_text
 from api_server.rate_limit import RateLimiter
-from common.fleet_messages import KVTransferParams
-from common.messages import EngineRequest, ErrorKind, FinishReason, ModelInfo, TokenLogprobs
+from common.messages import (
+    EngineRequest,
+    ErrorKind,
+    FinishReason,
+    KVTransferParams,
+    ModelInfo,
+    TokenLogprobs,
+)
 
 logger = logging.getLogger(__name__)
 

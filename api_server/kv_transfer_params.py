@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from api_server.errors import ApiError
-from common.fleet_messages import KVTransferParams
+from common.messages import KVTransferParams
 
 FIELD = "kv_transfer_params"
 # A DNS name: dot-separated labels of letters, digits and inner hyphens.

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import msgspec
 
 from common.config import TandemConfig
-from common.fleet_messages import PeerMessage
 from common.messages import (
     EngineRequest,
     ErrorKind,
     FinishReason,
     KVTransferStats,
     ModelInfo,
+    PeerMessage,
     PoolRole,
     RequestOutput,
     SchedulerStats,

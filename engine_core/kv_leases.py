@@ -20,8 +20,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.fleet_messages import KVPull, KVPullAnswer, KVTransferParams
-from common.messages import KVSend, KVTransferResult, ModelRunnerOutput
+from common.messages import (
+    KVPull,
+    KVPullAnswer,
+    KVSend,
+    KVTransferParams,
+    KVTransferResult,
+    ModelRunnerOutput,
+)
 from engine_core.handoff import HandoffSide, HandoffStats
 from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request

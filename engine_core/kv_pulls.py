@@ -26,9 +26,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.fleet_messages import KVPull, KVPullAck, KVPullAnswer
 from common.kv_transfer_config import FailurePolicy
-from common.messages import ErrorKind, FinishReason, KVReceive, KVTransferResult, RequestOutput
+from common.messages import (
+    ErrorKind,
+    FinishReason,
+    KVPull,
+    KVPullAck,
+    KVPullAnswer,
+    KVReceive,
+    KVTransferResult,
+    RequestOutput,
+)
 from engine_core.handoff import HandoffSide, HandoffStats, abort_output, error_output, merge
 from engine_core.kv_cache import extend_block_hashes
 from engine_core.request import Request, RequestStatus

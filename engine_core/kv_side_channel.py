@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from common.fleet_messages import KVPull, KVPullAck, PeerMessage
+from common.messages import KVPull, KVPullAck, PeerMessage
 
 logger = logging.getLogger(__name__)
 

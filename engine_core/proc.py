@@ -23,7 +23,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common.config import TandemConfig
 from common.curve import CurveKeys
-from common.fleet_messages import PeerMessage
 from common.ipc import Codec, make_socket, max_request_frame_bytes
 from common.messages import (
     AbortRequests,
@@ -36,6 +35,7 @@ from common.messages import (
     EngineRequest,
     ErrorKind,
     FinishReason,
+    PeerMessage,
     PoolRole,
     RequestOutput,
     ResetPrefixCache,

@@ -15,9 +15,15 @@ import uuid
 from collections.abc import Callable
 
 from common.config import TandemConfig
-from common.fleet_messages import KVPull, PeerMessage
 from common.kv_transfer_config import KVRole
-from common.messages import KVTransferResult, KVTransferStats, ModelRunnerOutput, WorkerReady
+from common.messages import (
+    KVPull,
+    KVTransferResult,
+    KVTransferStats,
+    ModelRunnerOutput,
+    PeerMessage,
+    WorkerReady,
+)
 from engine_core.handoff import HandoffSide, HandoffStats
 from engine_core.kv_cache import KVCacheManager
 from engine_core.kv_leases import LEASE_OUTCOMES, KVLeases, SideChannel

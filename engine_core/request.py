@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 
-from common.fleet_messages import KVTransferParams
-from common.messages import EngineRequest, FinishReason, SamplingParams, TokenLogprobs
+from common.messages import (
+    EngineRequest,
+    FinishReason,
+    KVTransferParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 class RequestStatus(enum.IntEnum):

@@ -34,11 +34,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from common.config import SchedulerConfig
-from common.fleet_messages import KVTransferParams
 from common.messages import (
     CachedRequestData,
     ErrorKind,
     FinishReason,
+    KVTransferParams,
     ModelInfo,
     ModelRunnerOutput,
     NewRequestData,

@@ -23,10 +23,10 @@ import msgspec
 import torch
 import zmq
 
-from common.messages import KVReceive, KVTransferResult
+from common.messages import KVReceive, KVStreamHeader, KVTransferResult
 from worker.kv_socket import SCHEME, SocketListener, split_address
 from worker.kv_staging import StagingPool, checksum, copy_in, row_bytes
-from worker.kv_transfer import NOTIFY_ADDRESS, Secure, _Cancelled, _Header, drain
+from worker.kv_transfer import NOTIFY_ADDRESS, CancelledIds, Secure, drain
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,12 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._expected: dict[str, KVReceive] = {}
         # Transfers here before the engine's word: header, staged bytes (None: malformed), why.
-        self._early: OrderedDict[str, tuple[_Header, torch.Tensor | None, str | None]] = (
+        self._early: OrderedDict[str, tuple[KVStreamHeader, torch.Tensor | None, str | None]] = (
             OrderedDict()
         )
         self._staging = StagingPool()
         self._row_bytes = row_bytes(caches[0])
-        self._cancelled = _Cancelled()
+        self._cancelled = CancelledIds()
         self._results: queue.Queue[KVTransferResult] = queue.Queue()
         self._notify = ctx.socket(zmq.PUSH)
         self._notify.bind(NOTIFY_ADDRESS)
@@ -121,10 +121,10 @@ class KVReceiver:
         with self._lock:
             self._notify.close()
 
-    def _stage(self, head: bytes) -> tuple[_Header | None, torch.Tensor | None, str | None]:
+    def _stage(self, head: bytes) -> tuple[KVStreamHeader | None, torch.Tensor | None, str | None]:
         """A raw connection's header: the buffer its bytes go straight into, or why not."""
         try:
-            header = msgspec.msgpack.decode(head, type=_Header)
+            header = msgspec.msgpack.decode(head, type=KVStreamHeader)
         except msgspec.DecodeError:
             return None, None, None
         layers, row = len(self._caches), self._row_bytes
@@ -141,7 +141,7 @@ class KVReceiver:
         return header, staged, None
 
     def _run(self, sock: zmq.Socket[bytes]) -> None:
-        decoder = msgspec.msgpack.Decoder(_Header)
+        decoder = msgspec.msgpack.Decoder(KVStreamHeader)
         while not self._stop.is_set():
             if not sock.poll(100):
                 continue
@@ -155,7 +155,9 @@ class KVReceiver:
             staged, error = self._receive(sock, header)
             self._arrived(header, staged, error)
 
-    def _arrived(self, header: _Header, staged: torch.Tensor | None, error: str | None) -> None:
+    def _arrived(
+        self, header: KVStreamHeader, staged: torch.Tensor | None, error: str | None
+    ) -> None:
         """A transfer's bytes are here (or why they are not usable): land it if expected,
         hold it if not yet, drop it if cancelled."""
         if error is not None and staged is not None:
@@ -178,7 +180,7 @@ class KVReceiver:
             self._land(order, header, staged, error)
 
     def _receive(
-        self, sock: zmq.Socket[bytes], header: _Header
+        self, sock: zmq.Socket[bytes], header: KVStreamHeader
     ) -> tuple[torch.Tensor | None, str | None]:
         """The header's layer frames, straight into a staging buffer ``[layers, 2,
         blocks, row]``; or None and why, when they are not the sizes it announced."""
@@ -220,7 +222,11 @@ class KVReceiver:
             self._staging.give(staged)
 
     def _land(
-        self, order: KVReceive, header: _Header, staged: torch.Tensor | None, error: str | None
+        self,
+        order: KVReceive,
+        header: KVStreamHeader,
+        staged: torch.Tensor | None,
+        error: str | None,
     ) -> None:
         """Check and write one transfer (the lock is held)."""
         if error is None and header.num_blocks != len(order.block_ids):

@@ -27,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from common.messages import KVSend, KVTransferResult
+from common.messages import KVSend, KVStreamHeader, KVTransferResult
 from worker.kv_reshard import KVLayout, gather_heads, heads_for
 from worker.kv_socket import SCHEME, SocketSender
 from worker.kv_staging import StagingPool, checksum, copy_out, row_bytes
@@ -41,7 +41,7 @@ _EARLY_LIMIT = 64  # transfers held while waiting for the engine's KVReceive
 _CANCELLED_LIMIT = 4096  # cancelled ids remembered (their bytes may still come)
 
 
-class _Cancelled:
+class CancelledIds:
     """Transfer ids whose bytes are to be dropped, the most recent ``_CANCELLED_LIMIT``."""
 
     def __init__(self) -> None:
@@ -66,13 +66,6 @@ class _Cancelled:
 
 NOTIFY_ADDRESS = "inproc://kv-transfer-results"
 _SENT = zmq.MessageTracker()  # a send that holds nothing (done)
-
-
-class _Header(msgspec.Struct, array_like=True):
-    transfer_id: str
-    num_blocks: int
-    num_bytes: int
-    checksum: int  # XXH3-64 of the frames
 
 
 def _block_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -133,7 +126,7 @@ class KVSender:
         )
         self._staging = StagingPool()  # one rank's unresharded bytes, reused once sent
         self._failures: queue.Queue[KVTransferResult] = queue.Queue()
-        self._cancelled = _Cancelled()
+        self._cancelled = CancelledIds()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -222,7 +215,7 @@ class KVSender:
                     raise ValueError("the receiver takes KV unencrypted; this sender has keys")
                 frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
                 num_bytes = sum(f.nbytes for f in frames)
-                header = _Header(transfer_id, payload.shape[2], num_bytes, checksum(frames))
+                header = KVStreamHeader(transfer_id, payload.shape[2], num_bytes, checksum(frames))
                 raw.send(destination, msgspec.msgpack.encode(header), frames)
                 return _SENT
             sock = sockets.get(destination)
@@ -236,7 +229,7 @@ class KVSender:
                 sockets[destination] = sock
             frames = [memoryview(layer.numpy().data) for layer in _as_bytes(payload)]
             num_bytes = sum(f.nbytes for f in frames)
-            header = _Header(transfer_id, payload.shape[2], num_bytes, checksum(frames))
+            header = KVStreamHeader(transfer_id, payload.shape[2], num_bytes, checksum(frames))
             return sock.send_multipart(
                 [msgspec.msgpack.encode(header), *frames], copy=False, track=True
             )

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from common.fleet_messages import KVPull, KVPullAck, KVPullAnswer, PeerMessage
+from common.messages import KVPull, KVPullAck, KVPullAnswer, PeerMessage
 from engine_core.kv_side_channel import KVSideChannel
 from tests.stack import free_port
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import zmq
 
-from common.messages import KVReceive, KVSend, KVTransferResult
+from common.messages import KVReceive, KVSend, KVStreamHeader, KVTransferResult
 from worker.kv_receiver import KVReceiver
 from worker.kv_socket import split_address
 from worker.kv_staging import StagingPool, block_runs, checksum, copy_in, copy_out, row_bytes
-from worker.kv_transfer import KVSender, _Header
+from worker.kv_transfer import KVSender
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 40, 2, 4, 8
 
@@ -123,7 +123,7 @@ def test_bytes_before_the_engines_word_are_held_then_landed(wire: Wire) -> None:
 
 
 def forge(
-    ctx: zmq.Context[zmq.Socket[bytes]], address: str, header: _Header, frames: list[bytes]
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, header: KVStreamHeader, frames: list[bytes]
 ) -> None:
     """Send these frames as one transfer, as a broken or hostile sender might."""
     if address.startswith("kvtcp://"):
@@ -144,16 +144,19 @@ def test_damaged_or_misshapen_bytes_are_refused_and_nothing_is_written(wire: Wir
     good = checksum([memoryview(f) for f in frames])
     raw = receiver.address.startswith("kvtcp://")
     cases = {
-        "checksum mismatch": (_Header("bad-sum", 2, LAYERS * per_layer, good ^ 1), frames),
+        "checksum mismatch": (KVStreamHeader("bad-sum", 2, LAYERS * per_layer, good ^ 1), frames),
         # A stream has no frames: a short transfer is the sender closing mid-way.
         "the sender closed mid-transfer" if raw else "layer 2: 0 bytes": (
-            _Header("short", 2, LAYERS * per_layer, good),
+            KVStreamHeader("short", 2, LAYERS * per_layer, good),
             frames[:2],
         ),
-        "bytes for 3 blocks": (_Header("sizes", 3, LAYERS * per_layer, good), frames),
+        "bytes for 3 blocks": (KVStreamHeader("sizes", 3, LAYERS * per_layer, good), frames),
     }
     if not raw:
-        cases["more frames than"] = (_Header("long", 2, LAYERS * per_layer, good), [*frames, b"x"])
+        cases["more frames than"] = (
+            KVStreamHeader("long", 2, LAYERS * per_layer, good),
+            [*frames, b"x"],
+        )
     for why, (header, body) in cases.items():
         receiver.expect(KVReceive(header.transfer_id, [5, 6], [1, 1]))
         forge(ctx, receiver.address, header, body)

@@ -10,13 +10,15 @@ import json
 import msgspec
 
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
-from common.fleet_messages import KVPull, KVPullAck, KVTransferParams
 from common.messages import (
     EngineRequest,
     ErrorKind,
     FinishReason,
+    KVPull,
+    KVPullAck,
     KVReceive,
     KVSend,
+    KVTransferParams,
     KVTransferResult,
     PoolRole,
     SamplingParams,
