@@ -82,6 +82,30 @@ class Request:
         )
 
     @property
+    def takes_cached_prefix(self) -> bool:
+        """Whether its prefill may skip cached blocks: not when it asked for prompt
+        logprobs, which come from the prefill's own hidden states."""
+        return self.sampling_params.prompt_logprobs is None
+
+    def gather_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        """A step's prompt logprobs (a prefill recomputed after its first output has
+        sent them already)."""
+        if not self.first_output_sent:
+            self.prompt_logprobs += entries
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """For its first output: the gathered prompt logprobs, if it asked."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
+
+    def restart_prefill(self) -> None:
+        """Preempted: its prompt is prefilled again, its prompt logprobs with it."""
+        if not self.first_output_sent:
+            self.prompt_logprobs = []
+
+    @property
     def remote_decode(self) -> bool:
         """Its blocks are to be lent to a decode instance once it finishes."""
         return self.kv_transfer is not None and self.kv_transfer.do_remote_decode

@@ -241,9 +241,9 @@ class Scheduler:
                 request.block_hashes, request.token_ids, self.kv.block_size, request.cache_salt
             )
             hits = (
-                []  # its prompt logprobs come from the prefill: nothing is skipped
-                if request.sampling_params.prompt_logprobs is not None
-                else self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+                self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+                if request.takes_cached_prefix
+                else []
             )
             num_computed = len(hits) * self.kv.block_size
             remaining = request.num_tokens - num_computed
@@ -297,8 +297,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_scheduled_ahead = request.num_output_placeholders = 0
-        if not request.first_output_sent:
-            request.prompt_logprobs = []  # its prefill starts over
+        request.restart_prefill()
         self.waiting.readd_preempted(request)
         self._finished_for_workers.append(request.request_id)  # workers drop its state
         request.sent_to_workers = False
@@ -332,14 +331,8 @@ class Scheduler:
                     request.token_ids,
                 )
         for request_id, entries in result.prompt_logprobs.items():
-            maybe = self.requests.get(request_id)
-            # (a prefill recomputed after a preemption has sent them already)
-            if (
-                maybe is not None
-                and in_step.get(request_id) is maybe
-                and not maybe.first_output_sent
-            ):
-                maybe.prompt_logprobs += entries
+            if request_id in in_step and self.requests.get(request_id) is in_step[request_id]:
+                in_step[request_id].gather_prompt_logprobs(entries)
         outputs: ClientOutputs = {}
         logprobs = result.logprobs or [None] * len(result.request_ids)
         for request_id, token, lp in zip(
@@ -356,8 +349,7 @@ class Scheduler:
             out = RequestOutput(request_id, [token], reason, logprobs=None if lp is None else [lp])
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
-                if request.sampling_params.prompt_logprobs is not None:
-                    out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+                out.prompt_logprobs = request.take_prompt_logprobs()
                 request.first_output_sent = True
                 request.first_token_time = self._clock()
             if reason is not None:
