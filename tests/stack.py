@@ -3,6 +3,7 @@ loopback port, and tear it down leaving no process behind."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -238,3 +239,26 @@ def completion(url: str, prompt: str | list[int] | list[str], **params: Any) -> 
     assert r.status_code == 200, r.text
     result: dict[str, Any] = r.json()
     return result
+
+
+def greedy_token_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy completion token ids, all requests sent at once."""
+
+    async def go() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def one(prompt: list[int]) -> list[int]:
+                body = {
+                    "model": "smollm2-135m-instruct",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                }
+                r = await client.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return list(r.json()["choices"][0]["token_ids"])
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(go())

@@ -6,7 +6,6 @@ partial block (their prefix-cache counters); and nothing stays held afterwards."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.parity.ties import LogprobsFn, assert_greedy_parity, our_logprobs_fn
-from tests.stack import TandemStack, free_port_range
+from tests.stack import TandemStack, free_port_range, greedy_token_ids
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
@@ -43,24 +42,7 @@ def prompts() -> list[list[int]]:
 
 
 def run_all(url: str, batch: list[list[int]]) -> list[list[int]]:
-    async def go() -> list[list[int]]:
-        async with httpx.AsyncClient(timeout=600) as client:
-
-            async def one(prompt: list[int]) -> list[int]:
-                body = {
-                    "model": MODEL,
-                    "prompt": prompt,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "return_token_ids": True,
-                }
-                r = await client.post(f"{url}/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                return list(r.json()["choices"][0]["token_ids"])
-
-            return list(await asyncio.gather(*(one(p) for p in batch)))
-
-    return asyncio.run(go())
+    return greedy_token_ids(url, batch, MAX_TOKENS)
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
