@@ -176,6 +176,16 @@ def check_second_turns(router: str, instances: list[str], tag: str) -> None:
     assert [ok for ok, _ in landed] == [True] * len(TOPICS), landed
 
 
+def running(url: str) -> float:
+    """Requests in this instance's running batch now (its Prometheus gauge)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tandem:num_requests_running")
+    )
+
+
 def stream_to_the_end(url: str, i: int) -> str:
     """'done', or the error a stream ended with; raises nothing, so none is lost."""
     body = {
@@ -217,7 +227,12 @@ def test_a_replica_killed_under_load_fails_its_requests_and_the_rest_carry_on() 
         victim_tree = [victim, *victim.children(recursive=True)]
         with ThreadPoolExecutor(6) as pool:
             streams = [pool.submit(stream_to_the_end, stack.url, i) for i in range(6)]
-            time.sleep(3.0)  # every stream under way
+            # kill while the victim is serving some of them: a fixed sleep let a fast host
+            # finish every stream first
+            victim_url, deadline = f"http://127.0.0.1:{instances}", time.monotonic() + 60
+            while running(victim_url) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert running(victim_url) >= 1, "no stream reached the victim"
             for p in victim_tree:  # the whole replica at once, as a node or pod dies
                 p.send_signal(signal.SIGKILL)
             ends = [f.result(timeout=90) for f in streams]  # none hangs
