@@ -171,6 +171,7 @@ async def serve(config: TandemConfig) -> int:
             config.disagg.kv_mode.num_kv_managers,
             instance_id(config),
         ),
+        config.model.tool_call_parser,
     )
     server = _Server(
         uvicorn.Config(

@@ -11,14 +11,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_server.chat import ChatTemplate
+from api_server.chat_protocol import ChatCompletionRequest, ChatMessage
 from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import ANTHROPIC_ERRORS, ApiError, ErrorFormat
 from api_server.generation import Piece
 from api_server.http_util import validate
 from api_server.protocol import (
     MAX_STOP_STRINGS,
-    ChatCompletionRequest,
-    ChatMessage,
     GenerationRequest,
     JsonSchemaFormat,
     ResponseFormat,

@@ -112,8 +112,9 @@ def create_app(
     allowed_origins: tuple[str, ...] = (),
     api_server_count: int = 1,
     instance: InstanceInfo | None = None,
+    tool_call_parser: str = "auto",
 ) -> Starlette:
-    template = ChatTemplate(service, chat_template)
+    template = ChatTemplate(service, chat_template, tool_call_parser)
     generation_routes: dict[str, ApiFormat] = {
         "/v1/completions": CompletionFormat(service),
         "/v1/chat/completions": ChatFormat(service, template),

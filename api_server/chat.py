@@ -12,12 +12,16 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from api_server.chat_protocol import ChatCompletionRequest
 from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
 from api_server.generation import CompletionService, Piece
 from api_server.http_util import sse, validate
 from api_server.prompt_logprobs import vllm_prompt_logprobs
-from api_server.protocol import ChatCompletionRequest, GenerationRequest, unknown_fields
+from api_server.protocol import GenerationRequest, unknown_fields
+from api_server.tool_calls import ToolCalling, ToolCallReader
+from api_server.tool_parsers import pick_tool_parser
+from api_server.tool_protocol import ToolUse
 from common.messages import ModelInfo, TokenLogprobs
 
 
@@ -66,14 +70,24 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class ChatTemplate:
-    """Messages -> prompt token ids through a Jinja chat template."""
+    """Messages -> prompt token ids through a Jinja chat template; conversations with
+    tools through the tool-call format's (``tool_calls.ToolCalling``)."""
 
-    def __init__(self, service: CompletionService, chat_template: str | None) -> None:
+    def __init__(
+        self, service: CompletionService, chat_template: str | None, tool_call_parser: str = "auto"
+    ) -> None:
         self.service = service
         self.template = chat_template or getattr(service.tokenizer, "chat_template", None)
+        self.tools = ToolCalling(
+            pick_tool_parser(tool_call_parser, self.template),
+            self.template,
+            chat_template is not None,
+        )
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        template = req.chat_template or self.template
+    def prompt_ids(self, req: ChatCompletionRequest, use: ToolUse | None = None) -> list[int]:
+        with_tools = use is not None or any(m.role == "tool" or m.tool_calls for m in req.messages)
+        template = req.chat_template or (self.tools.template if with_tools else self.template)
+        tools = {"tools": use.template_tools()} if use is not None else {}
         if not template:
             raise ApiError(
                 400,
@@ -96,6 +110,7 @@ class ChatTemplate:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tokenize=False,
+                **tools,
                 **extra,
             )
         except (TemplateError, ValueError, TypeError) as e:
@@ -126,7 +141,28 @@ class ChatFormat:
 
     def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
         assert isinstance(request, ChatCompletionRequest)  # parse() made it
-        return [Prompt(self.template.prompt_ids(request))]
+        use = request.tool_use()
+        if use is not None and use.constrains and request.structured_output() is not None:
+            raise ApiError(
+                400,
+                "tool calls follow their own grammar: drop 'response_format' (or send "
+                "'tool_choice': 'none')",
+                param="response_format",
+            )
+        ids = self.template.prompt_ids(request, use)
+        return [Prompt(ids, rules=self.template.tools.rules(use), tools=use)]
+
+    def _reader(self, choice: Choice) -> ToolCallReader | None:
+        if choice.reader is None:
+            choice.reader = self.template.tools.reader(choice.prompt.tools) or False
+        return choice.reader or None
+
+    @staticmethod
+    def _finish(reason: str | None, reader: ToolCallReader | None, legacy: bool) -> str | None:
+        """A turn that ended in calls says so ('length' still says a call was cut)."""
+        if reason == "stop" and reader is not None and reader.has_calls:
+            return "function_call" if legacy else "tool_calls"
+        return reason
 
     def _chunk(self, gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {
@@ -164,11 +200,23 @@ class ChatFormat:
     def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
         if not piece.text and not piece.finish_reason:
             return []
+        reader = self._reader(choice)
+        delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
+        legacy = choice.prompt.tools is not None and choice.prompt.tools.legacy
+        if reader is not None:
+            content, calls = reader.push(piece.text, piece.finish_reason is not None)
+            delta = {"content": content} if content else {}
+            if calls and legacy:
+                delta["function_call"] = {k: v for c in calls for k, v in c["function"].items()}
+            elif calls:
+                delta["tool_calls"] = calls
+        if reader is not None and not delta and not piece.finish_reason and not piece.logprobs:
+            return []  # text held back: it may begin a call
         choice_body = {
             "index": choice.index,
-            "delta": {"content": piece.text} if piece.text else {},
+            "delta": delta,
             "logprobs": chat_logprobs(self.service.tokenizer, piece.token_ids, piece.logprobs),
-            "finish_reason": piece.finish_reason,
+            "finish_reason": self._finish(piece.finish_reason, reader, legacy),
         }
         if gen.request.return_token_ids:
             choice_body["token_ids"] = piece.token_ids
@@ -188,15 +236,28 @@ class ChatFormat:
     def body(self, gen: Generation) -> dict[str, Any]:
         choices = []
         for c in gen.choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reader = self._reader(c)
+            legacy = c.prompt.tools is not None and c.prompt.tools.legacy
+            if reader is not None:
+                content, _ = reader.push(c.text, final=True)
+                calls = reader.message_calls()
+                message["content"] = content or (None if calls else "")
+                if calls and legacy:
+                    message["function_call"] = calls[0]["function"]
+                elif calls:
+                    message["tool_calls"] = calls
             choice: dict[str, Any] = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(
                     self.service.tokenizer,
                     c.token_ids,
                     [lp for p in c.collected for lp in p.logprobs],
                 ),
-                "finish_reason": c.last.finish_reason if c.last else None,
+                "finish_reason": self._finish(
+                    c.last.finish_reason if c.last else None, reader, legacy
+                ),
             }
             if gen.request.return_token_ids:
                 choice["token_ids"] = c.token_ids

@@ -24,9 +24,14 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    """Stop strings over a request's text; with ``ends_at``, only over the text before
+    its first occurrence (a tool call's trigger: the call after it is never cut)."""
+
+    def __init__(self, stops: list[str], ends_at: str | None = None) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self._ends_at = ends_at
+        self._tail = ""  # the last characters let through, where ends_at may begin
         self.matched: str | None = None  # the stop string that ended generation
 
     @property
@@ -41,14 +46,30 @@ class StopStringMatcher:
         if not self._stops:
             return text
         pending = self._held + text
-        found = [(i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
+        limit = len(pending)  # stop strings count only where they end before ends_at
+        if self._ends_at is not None:
+            seen = self._tail + pending
+            at = seen.find(self._ends_at)
+            if at >= 0:
+                limit = max(0, at - len(self._tail))
+        found = [
+            (i, stop)
+            for stop in self._stops
+            if (i := pending.find(stop)) >= 0 and i + len(stop) <= limit
+        ]
+        if not found and limit < len(pending):  # past ends_at: no stop string from here on
+            self._stops, self._held = [], ""
+            return pending
         if found:
             cut, self.matched = min(found)
             self._held = ""
             return pending[:cut]
         keep = self._longest_stop_prefix_suffix(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
-        return pending[: len(pending) - keep]
+        emitted = pending[: len(pending) - keep]
+        if self._ends_at:
+            self._tail = (self._tail + emitted)[-len(self._ends_at) :]
+        return emitted
 
     def flush(self) -> str:
         """At the end of generation: the held-back text was no stop string after all."""

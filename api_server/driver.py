@@ -28,10 +28,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_server.errors import ApiError, ErrorFormat, error_response
-from api_server.generation import CompletionService, EngineRequestError, Piece, collect
+from api_server.generation import (
+    CompletionService,
+    EngineRequestError,
+    OutputRules,
+    Piece,
+    collect,
+)
 from api_server.http_util import caller_of, first_piece, json_body, key_id_of
 from api_server.kv_transfer_params import parse_kv_transfer_params
 from api_server.protocol import GenerationRequest, usage
+from api_server.tool_protocol import ToolUse
 from common.messages import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -53,6 +60,10 @@ class Parsed:
 class Prompt:
     ids: list[int]
     echo: str = ""  # text put before the completion (completions' ``echo``)
+    rules: OutputRules = field(
+        default_factory=OutputRules
+    )  # a grammar and stop-string bounds of the format's
+    tools: ToolUse | None = None  # chat: the request's function tools, resolved
 
 
 @dataclass
@@ -64,6 +75,7 @@ class Choice:
     pieces: AsyncGenerator[Piece, None]
     collected: list[Piece] = field(default_factory=list)
     text_offset: int = 0  # characters of this choice streamed so far (echo included)
+    reader: Any = None  # the format's own per-choice reading state (chat: tool calls)
 
     @property
     def last(self) -> Piece | None:
@@ -259,6 +271,7 @@ class GenerationDriver:
                     caller_of(request),
                     key_id_of(request),
                     kv_transfer,
+                    prompt.rules,
                 )
                 gen.choices.append(Choice(k, prompt, pieces))
         try:

@@ -25,6 +25,7 @@ from common.messages import (
     FinishReason,
     KVTransferParams,
     ModelInfo,
+    StructuredOutput,
     TokenLogprobs,
 )
 
@@ -55,6 +56,18 @@ class TextOptions:
     stop_strings: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    stops_end_at: str | None = None  # OutputRules.stops_end_at
+
+
+@dataclass(frozen=True)
+class OutputRules:
+    """What a route adds to a request's own output settings: the grammar its output
+    follows (a tool call's, in place of the request's structured output), and the text
+    after which its stop strings no longer apply (a call's trigger: a stop string must
+    never cut a call; "" = they never apply)."""
+
+    grammar: StructuredOutput | None = None
+    stops_end_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,7 @@ class CompletionService:
         caller: str = "",
         owner: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        rules: OutputRules | None = None,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
@@ -176,7 +190,10 @@ class CompletionService:
                 param="min_tokens",
             )
         request_id = request_id or f"{kind}-{uuid.uuid4().hex}"
+        rules = rules or OutputRules()
         params = req.sampling_params(max_tokens, self.sampling_defaults)
+        if rules.grammar is not None:
+            params = msgspec.structs.replace(params, structured=rules.grammar)
         if params.seed is not None and choice:
             params = msgspec.structs.replace(params, seed=(params.seed + choice) % 2**63)
         engine_request = EngineRequest(
@@ -209,7 +226,10 @@ class CompletionService:
         if choice == 0:
             self.metrics.served_here.inc()
         text_options = TextOptions(
-            req.stop_strings(), req.include_stop_str_in_output, req.skip_special_tokens
+            req.stop_strings(),
+            req.include_stop_str_in_output,
+            req.skip_special_tokens,
+            rules.stops_end_at,
         )
         return request_id, self.run(engine_request, text_options, caller, owner)
 
@@ -243,7 +263,7 @@ class CompletionService:
         detok = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer, options.skip_special_tokens
         )
-        matcher = StopStringMatcher(options.stop_strings)
+        matcher = StopStringMatcher(options.stop_strings, options.stops_end_at)
         num_tokens = 0
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet

@@ -171,9 +171,9 @@ class GenerationRequest(_Body):
     # vLLM's: the logprobs of the prompt's tokens (after the first), with the top-k.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    def refuse_unsupported(self) -> None:
-        """400 for parameters whose meaning Tandem cannot honour."""
-        refused = {
+    def refused_fields(self) -> dict[str, bool]:
+        """Parameters Tandem cannot honour on this route, and whether each is used."""
+        return {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
@@ -181,7 +181,10 @@ class GenerationRequest(_Body):
             "use_beam_search": self.use_beam_search,
             "bad_words": bool(self.bad_words),
         }
-        for name, used in refused.items():
+
+    def refuse_unsupported(self) -> None:
+        """400 for parameters whose meaning Tandem cannot honour."""
+        for name, used in self.refused_fields().items():
             if used:
                 raise ApiError(400, f"'{name}' is not supported", param=name)
 
@@ -331,63 +334,6 @@ class CompletionRequest(GenerationRequest):
         if len(ids) == len(self.prompt):
             return [ids]
         return [[int(t) for t in p] if isinstance(p, list) else str(p) for p in self.prompt]
-
-
-class ContentPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(GenerationRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's chat-template controls.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the template writes them
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.stream and self.prompt_logprobs is not None:  # as vLLM: no chunk carries them
-            raise ApiError(
-                400,
-                "'prompt_logprobs' is not served with 'stream' on chat",
-                param="prompt_logprobs",
-            )
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError(
-                400,
-                "'continue_final_message' needs 'add_generation_prompt': false",
-                param="continue_final_message",
-            )
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
 
 
 def validation_error_param(error: ValidationError) -> tuple[str, str | None]:

@@ -11,6 +11,7 @@ from common.config import (
     DTYPES,
     GGUF_ACTIVATIONS,
     QUANTIZATIONS,
+    TOOL_CALL_PARSERS,
     TandemConfig,
 )
 from common.env_flags import apply_env_defaults
@@ -49,6 +50,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a Jinja chat template file for /v1/chat/completions, replacing the model's own "
         "(needed for models without one, such as gemma-3-270m)",
+    )
+    m.add_argument(
+        "--tool-call-parser",
+        default=d.model.tool_call_parser,
+        choices=TOOL_CALL_PARSERS,
+        help="the format of tool calls on /v1/chat/completions (auto: the one the model's chat "
+        "template writes, else its family's); a model whose template knows no tools gets "
+        "Tandem's template for the format",
     )
     m.add_argument(
         "--attention-backend",

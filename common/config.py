@@ -31,6 +31,8 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8")
 # integers (llama.cpp's arithmetic), float = as they are (exact), auto = chosen per CPU.
 GgufActivations = Literal["auto", "q8", "float"]
 GGUF_ACTIVATIONS: tuple[str, ...] = ("auto", "q8", "float")
+# --tool-call-parser: the tool-call formats of api_server/tool_parsers.py (auto: the model's).
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ModelConfig:
     dtype: DType = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
+    tool_call_parser: str = "auto"  # the format tool calls are written and read in
     # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
     quantization: Quantization = "none"
@@ -55,6 +58,10 @@ class ModelConfig:
         require(
             self.chat_template is None or os.path.isfile(self.chat_template),
             f"--chat-template {self.chat_template!r} is not a file",
+        )
+        require(
+            self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
         )
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
         require(

@@ -91,10 +91,13 @@ def test_unsupported_field_is_refused(client: openai.OpenAI, server: TandemStack
     body = {
         "model": MODEL,
         "messages": MESSAGES,
-        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "use_beam_search": True,
     }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["message"] == "'tools' is not supported"
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["message"] == "'use_beam_search' is not supported"
+    )
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 422 and r.json()["error"]["param"] == "messages"
 

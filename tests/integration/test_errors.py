@@ -58,14 +58,26 @@ CASES = {
     "prompt over the context": Case.of(
         COMPLETIONS, prompt(prompt=[42] * 9000), 400, "prompt", "9000"
     ),
-    "tools": Case.of(
+    "tool_choice naming an unknown function": Case.of(
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        "not in tools",
+    ),
+    "tool_choice without tools": Case.of(
+        CHAT, chat(tool_choice="required"), 400, "tool_choice", "needs 'tools'"
+    ),
+    "tools on completions": Case.of(
+        COMPLETIONS,
+        prompt(tools=[{"type": "function", "function": {"name": "f"}}]),
         400,
         "tools",
         "not supported",
     ),
-    "tool_choice": Case.of(CHAT, chat(tool_choice="required"), 400, "tool_choice", "not supported"),
     "beam search": Case.of(
         COMPLETIONS, prompt(use_beam_search=True), 400, "use_beam_search", "not supported"
     ),

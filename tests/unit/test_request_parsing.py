@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from api_server.chat_protocol import ChatCompletionRequest
 from api_server.errors import ApiError
-from api_server.protocol import ChatCompletionRequest, CompletionRequest, unknown_fields
+from api_server.protocol import CompletionRequest, unknown_fields
 from api_server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from common.messages import StructuredOutput, StructuredOutputKind
 
@@ -123,8 +124,6 @@ def test_bad_constraints_are_400_naming_the_field(
 
 def test_refusals_of_what_cannot_be_honoured() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"use_beam_search": True}, "use_beam_search"),
     ]
     for fields, param in cases:

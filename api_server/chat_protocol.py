@@ -1,0 +1,157 @@
+"""The chat completions request (pydantic): messages with tool calls and tool results,
+the tools themselves, and vLLM's chat-template controls."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from api_server.errors import ApiError
+from api_server.protocol import MAX_LOGPROBS, GenerationRequest, _Body
+from api_server.tool_protocol import (
+    FunctionCallField,
+    FunctionDef,
+    ToolCall,
+    ToolChoiceField,
+    ToolDef,
+    ToolUse,
+    resolve_tool_use,
+)
+
+_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat-template controls.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Function tools (api_server/tool_protocol.py), and the legacy functions.
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoiceField | None = None
+    functions: list[FunctionDef] | None = None
+    function_call: FunctionCallField | None = None
+    parallel_tool_calls: bool | None = None
+
+    def refused_fields(self) -> dict[str, bool]:
+        refused = super().refused_fields()
+        return {name: used for name, used in refused.items() if name not in _TOOL_FIELDS}
+
+    def ignored_fields(self) -> list[str]:
+        return [name for name in super().ignored_fields() if name != "parallel_tool_calls"]
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: no chunk carries them
+            raise ApiError(
+                400,
+                "'prompt_logprobs' is not served with 'stream' on chat",
+                param="prompt_logprobs",
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                400,
+                "'continue_final_message' needs 'add_generation_prompt': false",
+                param="continue_final_message",
+            )
+        self._check_tool_results()
+
+    def tool_use(self) -> ToolUse | None:
+        return resolve_tool_use(
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            self.functions,
+            self.function_call,
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _check_tool_results(self) -> None:
+        """Every tool result answers a call an earlier assistant message made."""
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            called |= {c.id for c in m.tool_calls or []}
+            if m.role != "tool":
+                continue
+            if m.tool_call_id is None:
+                raise ApiError(
+                    400, "a 'tool' message needs 'tool_call_id'", param=f"messages.{i}.tool_call_id"
+                )
+            if m.tool_call_id not in called:
+                raise ApiError(
+                    400,
+                    f"tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call",
+                    param=f"messages.{i}.tool_call_id",
+                )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates take them: "developer" is OpenAI's newer name for
+        the system role; a call's arguments as an object (templates serialize them)."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _arguments(
+                                c.function.arguments, f"messages.{i}.tool_calls.{j}"
+                            ),
+                        },
+                    }
+                    for j, c in enumerate(m.tool_calls)
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                message["name"] = m.name
+            out.append(message)
+        return out
+
+
+def _arguments(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(
+            400, f"a call's arguments are not JSON: {e}", param=f"{where}.function.arguments"
+        ) from None
