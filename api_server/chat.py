@@ -153,9 +153,11 @@ class ChatFormat:
         return [Prompt(ids, rules=self.template.tools.rules(use), tools=use)]
 
     def _reader(self, choice: Choice) -> ToolCallReader | None:
+        """The choice's reader, made on first use; None for a choice without tool calls."""
         if choice.reader is None:
-            choice.reader = self.template.tools.reader(choice.prompt.tools) or False
-        return choice.reader or None
+            choice.reader = self.template.tools.reader(choice.prompt.tools)
+        reader: ToolCallReader | None = choice.reader
+        return reader
 
     @staticmethod
     def _finish(reason: str | None, reader: ToolCallReader | None, legacy: bool) -> str | None:

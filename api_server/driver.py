@@ -60,9 +60,8 @@ class Parsed:
 class Prompt:
     ids: list[int]
     echo: str = ""  # text put before the completion (completions' ``echo``)
-    rules: OutputRules = field(
-        default_factory=OutputRules
-    )  # a grammar and stop-string bounds of the format's
+    # The format's grammar and stop-string bounds for this prompt's output.
+    rules: OutputRules = field(default_factory=OutputRules)
     tools: ToolUse | None = None  # chat: the request's function tools, resolved
 
 

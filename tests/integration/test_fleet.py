@@ -61,14 +61,19 @@ def chat(url: str, messages: list[dict[str, str]]) -> dict[str, object]:
     return reply
 
 
-def served(url: str) -> float:
-    """Requests this instance has finished (its Prometheus counter)."""
+def metric(url: str, name: str) -> float:
+    """An instance's Prometheus series of ``name``, summed over their labels."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("tandem:request_success_total{")
+        if line.startswith((f"{name}{{", f"{name} "))
     )
+
+
+def served(url: str) -> float:
+    """Requests this instance has finished."""
+    return metric(url, "tandem:request_success_total")
 
 
 def test_render_gives_the_prompt_tokens_the_request_is_served_with(
@@ -177,13 +182,8 @@ def check_second_turns(router: str, instances: list[str], tag: str) -> None:
 
 
 def running(url: str) -> float:
-    """Requests in this instance's running batch now (its Prometheus gauge)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("tandem:num_requests_running")
-    )
+    """Requests in this instance's running batch now."""
+    return metric(url, "tandem:num_requests_running")
 
 
 def stream_to_the_end(url: str, i: int) -> str:

@@ -90,14 +90,14 @@ def test_required_and_named_choices_answer_with_valid_calls(
 
 
 def test_a_two_turn_loop_renders_the_call_and_its_result(client: openai.OpenAI) -> None:
+    turn = {"tools": [WEATHER], "temperature": 0}
     first = create(
         client,
         messages=ASK,
-        tools=[WEATHER],
         tool_choice="required",
         max_tokens=200,
-        temperature=0,
         parallel_tool_calls=False,
+        **turn,
     )
     call = first.choices[0].message.tool_calls[0]
     messages: list[Any] = [
@@ -105,14 +105,7 @@ def test_a_two_turn_loop_renders_the_call_and_its_result(client: openai.OpenAI) 
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
     ]
-    second = create(
-        client,
-        messages=messages,
-        tools=[WEATHER],
-        tool_choice="none",
-        max_tokens=12,
-        temperature=0,
-    )
+    second = create(client, messages=messages, tool_choice="none", max_tokens=12, **turn)
     assert second.choices[0].finish_reason in ("stop", "length")
     assert "<tool_call>" not in (second.choices[0].message.content or "")
     forged = [*messages[:2], {"role": "tool", "tool_call_id": "call_nobody", "content": "{}"}]
