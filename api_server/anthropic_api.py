@@ -1,128 +1,109 @@
-"""``POST /v1/messages``, Anthropic's Messages format: its request schema (turned into
-an OpenAI chat request for the shared template and pipeline), its bodies, stream events
-and error format. The ``GenerationDriver`` runs it.
+"""``POST /v1/messages``, Anthropic's Messages format: its bodies (text and
+``tool_use`` content blocks), stream events and error format. The request schema is
+``anthropic_protocol.py``; the ``GenerationDriver`` runs it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from api_server.anthropic_protocol import INAPPLICABLE_ANTHROPIC_FIELDS, MessagesRequest
 from api_server.chat import ChatTemplate
-from api_server.chat_protocol import ChatCompletionRequest, ChatMessage
+from api_server.chat_protocol import ChatCompletionRequest
 from api_server.driver import Choice, Generation, Parsed, Prompt
-from api_server.errors import ANTHROPIC_ERRORS, ApiError, ErrorFormat
+from api_server.errors import ANTHROPIC_ERRORS, ErrorFormat
 from api_server.generation import Piece
 from api_server.http_util import validate
-from api_server.protocol import (
-    MAX_STOP_STRINGS,
-    GenerationRequest,
-    JsonSchemaFormat,
-    ResponseFormat,
-    unknown_fields,
-)
+from api_server.protocol import GenerationRequest, unknown_fields
+from api_server.tool_calls import ToolCallReader
 from common.messages import ModelInfo
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+TOOL_USE_ID_PREFIX = "toolu_"
 
 
-class TextBlock(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Body):
-    role: Literal["user", "assistant", "system"]
-    content: str | list[TextBlock]
-
-    def text(self) -> str:
-        return (
-            self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
-        )
-
-
-class OutputFormat(_Body):
-    """Anthropic's structured outputs: ``{"type": "json_schema", "schema": {...}}``."""
-
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-# Anthropic parameters that change nothing here: accepted, ignored, reported.
-INAPPLICABLE_ANTHROPIC_FIELDS = ("metadata", "service_tier", "container", "context_management")
-
-
-class MessagesRequest(_Body):
-    model: str
-    max_tokens: int = Field(ge=1)
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
-    output_format: OutputFormat | None = None
-    # Refused when used: Tandem has no tools and no extended thinking.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    thinking: Any = None
-    mcp_servers: list[Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        thinking = isinstance(self.thinking, dict) and self.thinking.get("type") == "enabled"
-        refused = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice is not None,
-            "thinking": thinking,
-            "mcp_servers": bool(self.mcp_servers),
-        }
-        for name, used in refused.items():
-            if used:
-                raise ApiError(400, f"'{name}' is not supported", param=name)
-
-    def as_chat(self) -> ChatCompletionRequest:
-        """The same request in OpenAI chat terms, for the shared template and pipeline."""
-        messages = []
-        if self.system:
-            system = (
-                self.system
-                if isinstance(self.system, str)
-                else "".join(b.text for b in self.system)
-            )
-            messages.append(ChatMessage(role="system", content=system))
-        messages += [ChatMessage(role=m.role, content=m.text()) for m in self.messages]
-        response_format = None
-        if self.output_format is not None:
-            response_format = ResponseFormat(
-                type="json_schema",
-                json_schema=JsonSchemaFormat(schema=self.output_format.schema_),
-            )
-        return ChatCompletionRequest(
-            model=self.model,
-            messages=messages,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=self.stop_sequences,
-            stream=self.stream,
-            response_format=response_format,
-        )
-
-
-def stop_reason(piece: Piece | None) -> str:
-    if piece is not None and piece.stop_string is not None:
-        return "stop_sequence"
-    return "max_tokens" if piece is not None and piece.finish_reason == "length" else "end_turn"
+def stop_reason(piece: Piece | None, called: bool) -> str:
+    """A turn cut by ``max_tokens`` says so even inside a call; one that made calls
+    ended to have them run."""
+    if piece is not None and piece.finish_reason == "length":
+        return "max_tokens"
+    if called:
+        return "tool_use"
+    return "stop_sequence" if piece is not None and piece.stop_string is not None else "end_turn"
 
 
 def event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as its ``input`` object; a call cut by ``max_tokens`` (which
+    ``stop_reason`` reports) has none yet."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class BlockStream:
+    """One choice's content blocks as stream events: a text block while the model
+    writes text, a ``tool_use`` block per call, each closed before the next opens."""
+
+    reader: ToolCallReader | None
+    index: int = -1
+    open_kind: str | None = None
+    events: list[str] = field(default_factory=list)
+
+    def push(self, text: str, final: bool) -> list[str]:
+        self.events = []
+        if self.reader is None:
+            self._text(text)
+        else:
+            content, calls = self.reader.push(text, final)
+            self._text(content)
+            for call in calls:
+                if "id" in call:
+                    block = {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": call["function"]["name"],
+                        "input": {},
+                    }
+                    self._open("tool_use", block)
+                fragment = call["function"]["arguments"]
+                if fragment:
+                    delta = {"type": "input_json_delta", "partial_json": fragment}
+                    self._add("content_block_delta", {"index": self.index, "delta": delta})
+        if final:
+            if self.index < 0:  # an empty answer still has its (empty) text block
+                self._open("text", {"type": "text", "text": ""})
+            self._close()
+        return self.events
+
+    def _text(self, text: str) -> None:
+        if not text:
+            return
+        if self.open_kind != "text":
+            self._open("text", {"type": "text", "text": ""})
+        delta = {"type": "text_delta", "text": text}
+        self._add("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> None:
+        self._close()
+        self.index += 1
+        self.open_kind = kind
+        self._add("content_block_start", {"index": self.index, "content_block": block})
+
+    def _close(self) -> None:
+        if self.open_kind is not None:
+            self._add("content_block_stop", {"index": self.index})
+            self.open_kind = None
+
+    def _add(self, name: str, data: dict[str, Any]) -> None:
+        self.events.append(event(name, data))
 
 
 class MessagesFormat:
@@ -146,7 +127,19 @@ class MessagesFormat:
 
     def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
         assert isinstance(request, ChatCompletionRequest)  # parse() made it
-        return [Prompt(self.template.prompt_ids(request))]
+        use = request.tool_use()
+        ids = self.template.prompt_ids(request, use)
+        return [Prompt(ids, rules=self.template.tools.rules(use), tools=use)]
+
+    def _reader(self, choice: Choice) -> ToolCallReader | None:
+        return self.template.tools.reader(choice.prompt.tools, TOOL_USE_ID_PREFIX)
+
+    def _blocks(self, choice: Choice) -> BlockStream:
+        """The choice's block stream, made on first use."""
+        if choice.reader is None:
+            choice.reader = BlockStream(self._reader(choice))
+        blocks: BlockStream = choice.reader
+        return blocks
 
     def _message(self, gen: Generation) -> dict[str, Any]:
         return {"id": gen.request_id, "type": "message", "role": "assistant", "model": gen.model}
@@ -159,31 +152,22 @@ class MessagesFormat:
             "stop_sequence": None,
             "usage": {"input_tokens": gen.num_prompt_tokens, "output_tokens": 0},
         }
-        return [
-            event("message_start", {"message": start}),
-            event(
-                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-            ),
-        ]
+        return [event("message_start", {"message": start})]
 
     def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
-        if not piece.text:
-            return []
-        delta = {"type": "text_delta", "text": piece.text}
-        return [event("content_block_delta", {"index": 0, "delta": delta})]
+        return self._blocks(choice).push(piece.text, piece.finish_reason is not None)
 
     def stream_end(self, gen: Generation) -> list[str]:
-        last = gen.choices[0].last
+        choice = gen.choices[0]
+        last = choice.last
+        reader = self._blocks(choice).reader
+        called = reader is not None and reader.has_calls
         delta = {
-            "stop_reason": stop_reason(last),
+            "stop_reason": stop_reason(last, called),
             "stop_sequence": last.stop_string if last else None,
         }
-        usage = {"output_tokens": gen.choices[0].num_completion_tokens}
-        return [
-            event("content_block_stop", {"index": 0}),
-            event("message_delta", {"delta": delta, "usage": usage}),
-            event("message_stop", {}),
-        ]
+        usage = {"output_tokens": choice.num_completion_tokens}
+        return [event("message_delta", {"delta": delta, "usage": usage}), event("message_stop", {})]
 
     def stream_error(self, gen: Generation, message: str) -> list[str]:
         return [event("error", {"error": {"type": "api_error", "message": message}})]
@@ -191,10 +175,24 @@ class MessagesFormat:
     def body(self, gen: Generation) -> dict[str, Any]:
         choice = gen.choices[0]
         last = choice.last
+        reader = self._reader(choice)
+        content: list[dict[str, Any]] = [{"type": "text", "text": choice.text}]
+        if reader is not None:
+            text, _ = reader.push(choice.text, final=True)
+            content = [{"type": "text", "text": text}] if text else []
+            content += [
+                {
+                    "type": "tool_use",
+                    "id": c["id"],
+                    "name": c["function"]["name"],
+                    "input": tool_input(c["function"]["arguments"]),
+                }
+                for c in reader.message_calls()
+            ]
         return {
             **self._message(gen),
-            "content": [{"type": "text", "text": choice.text}],
-            "stop_reason": stop_reason(last),
+            "content": content,
+            "stop_reason": stop_reason(last, reader is not None and reader.has_calls),
             "stop_sequence": last.stop_string if last else None,
             "usage": {
                 "input_tokens": gen.num_prompt_tokens,

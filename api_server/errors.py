@@ -74,7 +74,10 @@ ANTHROPIC_ERROR_TYPES = {
 class AnthropicErrors:
     def body(self, error: ApiError) -> dict[str, Any]:
         kind = ANTHROPIC_ERROR_TYPES.get(error.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        message = error.message
+        if error.param is not None and error.param not in message:  # no param field here
+            message = f"{error.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 OPENAI_ERRORS = OpenAIErrors()

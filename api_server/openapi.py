@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from api_server.anthropic_api import MessagesRequest
+from api_server.anthropic_protocol import MessagesRequest
 from api_server.chat_protocol import ChatCompletionRequest
 from api_server.protocol import (
     CompletionRequest,

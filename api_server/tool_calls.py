@@ -19,8 +19,8 @@ from api_server.tool_protocol import ToolMode, ToolUse
 from common.messages import StructuredOutput, StructuredOutputKind
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def call_id(prefix: str = "call_") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 class ToolCalling:
@@ -40,8 +40,11 @@ class ToolCalling:
         required = use.mode == ToolMode.REQUIRED
         return OutputRules(grammar, "" if required else self.parser.trigger)
 
-    def reader(self, use: ToolUse | None) -> ToolCallReader | None:
-        return ToolCallReader(self.parser) if use is not None and use.constrains else None
+    def reader(self, use: ToolUse | None, id_prefix: str = "call_") -> ToolCallReader | None:
+        """A reader of calls for a request with tools (ids as its API spells them)."""
+        if use is None or not use.constrains:
+            return None
+        return ToolCallReader(self.parser, id_prefix)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ToolCallReader:
     """One choice's output, read as it grows: what of its content and calls is new."""
 
     parser: ToolParser
+    id_prefix: str = "call_"
     text: str = ""
     _content: str = ""
     _calls: list[_Sent] = field(default_factory=list)
@@ -71,7 +75,7 @@ class ToolCallReader:
         for i, call in enumerate(got.calls):
             assert call.name is not None  # extract() lists a call once it has its name
             if i == len(self._calls):
-                self._calls.append(_Sent(call_id(), call.name))
+                self._calls.append(_Sent(call_id(self.id_prefix), call.name))
                 deltas.append(
                     {
                         "index": i,
