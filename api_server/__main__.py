@@ -172,6 +172,7 @@ async def serve(config: TandemConfig) -> int:
             instance_id(config),
         ),
         config.model.tool_call_parser,
+        config.model.reasoning_parser,
     )
     server = _Server(
         uvicorn.Config(

@@ -16,8 +16,8 @@ from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import ANTHROPIC_ERRORS, ErrorFormat
 from api_server.generation import Piece
 from api_server.http_util import validate
+from api_server.output_reader import OutputReader
 from api_server.protocol import GenerationRequest, unknown_fields
-from api_server.tool_calls import ToolCallReader
 from common.messages import ModelInfo
 
 TOOL_USE_ID_PREFIX = "toolu_"
@@ -49,10 +49,11 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 @dataclass
 class BlockStream:
-    """One choice's content blocks as stream events: a text block while the model
-    writes text, a ``tool_use`` block per call, each closed before the next opens."""
+    """One choice's content blocks as stream events: a ``thinking`` block while the
+    model reasons, a text block while it writes text, a ``tool_use`` block per call, each
+    closed before the next opens."""
 
-    reader: ToolCallReader | None
+    reader: OutputReader | None
     index: int = -1
     open_kind: str | None = None
     events: list[str] = field(default_factory=list)
@@ -62,9 +63,14 @@ class BlockStream:
         if self.reader is None:
             self._text(text)
         else:
-            content, calls = self.reader.push(text, final)
-            self._text(content)
-            for call in calls:
+            got = self.reader.push(text, final)
+            if got.reasoning:
+                if self.open_kind != "thinking":
+                    self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": got.reasoning}
+                self._add("content_block_delta", {"index": self.index, "delta": delta})
+            self._text(got.content)
+            for call in got.calls:
                 if "id" in call:
                     block = {
                         "type": "tool_use",
@@ -129,10 +135,11 @@ class MessagesFormat:
         assert isinstance(request, ChatCompletionRequest)  # parse() made it
         use = request.tool_use()
         ids = self.template.prompt_ids(request, use)
-        return [Prompt(ids, rules=self.template.tools.rules(use), tools=use)]
+        rules, reasoning = self.template.output_rules(request, ids, use)
+        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning)]
 
-    def _reader(self, choice: Choice) -> ToolCallReader | None:
-        return self.template.tools.reader(choice.prompt.tools, TOOL_USE_ID_PREFIX)
+    def _reader(self, choice: Choice) -> OutputReader | None:
+        return self.template.reader(choice.prompt, TOOL_USE_ID_PREFIX)
 
     def _blocks(self, choice: Choice) -> BlockStream:
         """The choice's block stream, made on first use."""
@@ -178,8 +185,12 @@ class MessagesFormat:
         reader = self._reader(choice)
         content: list[dict[str, Any]] = [{"type": "text", "text": choice.text}]
         if reader is not None:
-            text, _ = reader.push(choice.text, final=True)
-            content = [{"type": "text", "text": text}] if text else []
+            got = reader.push(choice.text, final=True)
+            thought = reader.reasoning_text if reader.shown_reasoning else ""
+            content = (
+                [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+            )
+            content += [{"type": "text", "text": got.content}] if got.content else []
             content += [
                 {
                     "type": "tool_use",

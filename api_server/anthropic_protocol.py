@@ -102,6 +102,20 @@ class Tool(_Body):
     type: str | None = None
 
 
+class Thinking(_Body):
+    """Extended thinking: ``enabled`` with a budget of reasoning tokens, or ``disabled``
+    (passed to the template as ``enable_thinking: false``)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+    def budget(self) -> int | None:
+        return self.budget_tokens if self.type == "enabled" else None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return {"enable_thinking": False} if self.type == "disabled" else None
+
+
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -125,16 +139,13 @@ class MessagesRequest(_Body):
     output_format: OutputFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    # Refused when used: Tandem has no extended thinking and no MCP connector.
-    thinking: Any = None
+    thinking: Thinking | None = None  # needs --reasoning-parser when enabled
+    # Refused when used: Tandem has no MCP connector.
     mcp_servers: list[Any] | None = None
 
     def refuse_unsupported(self) -> None:
-        thinking = isinstance(self.thinking, dict) and self.thinking.get("type") == "enabled"
-        refused = {"thinking": thinking, "mcp_servers": bool(self.mcp_servers)}
-        for name, used in refused.items():
-            if used:
-                raise ApiError(400, f"'{name}' is not supported", param=name)
+        if self.mcp_servers:
+            raise ApiError(400, "'mcp_servers' is not supported", param="mcp_servers")
 
     def as_chat(self) -> ChatCompletionRequest:
         """The same request in OpenAI chat terms, for the shared template and pipeline."""
@@ -164,6 +175,8 @@ class MessagesRequest(_Body):
             tools=tools,
             tool_choice=self._chat_tool_choice(),
             parallel_tool_calls=False if choice and choice.disable_parallel_tool_use else None,
+            thinking_token_budget=self.thinking.budget() if self.thinking else None,
+            chat_template_kwargs=self.thinking.template_kwargs() if self.thinking else None,
         )
         try:  # checked here so that a refusal names the Anthropic field
             chat.tool_use()

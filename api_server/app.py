@@ -37,6 +37,7 @@ from api_server.instance_info import InstanceInfo, instance_routes
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
+from api_server.reasoning import REASONING_PARSERS_BY_NAME
 from common.config import CacheConfig
 from common.messages import SchedulerStats
 
@@ -113,8 +114,10 @@ def create_app(
     api_server_count: int = 1,
     instance: InstanceInfo | None = None,
     tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
 ) -> Starlette:
-    template = ChatTemplate(service, chat_template, tool_call_parser)
+    reasoning = REASONING_PARSERS_BY_NAME[reasoning_parser] if reasoning_parser else None
+    template = ChatTemplate(service, chat_template, tool_call_parser, reasoning)
     generation_routes: dict[str, ApiFormat] = {
         "/v1/completions": CompletionFormat(service),
         "/v1/chat/completions": ChatFormat(service, template),

@@ -15,11 +15,13 @@ from jinja2 import TemplateError
 from api_server.chat_protocol import ChatCompletionRequest
 from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
-from api_server.generation import CompletionService, Piece
+from api_server.generation import CompletionService, OutputRules, Piece
 from api_server.http_util import sse, validate
+from api_server.output_reader import OutputReader
 from api_server.prompt_logprobs import vllm_prompt_logprobs
 from api_server.protocol import GenerationRequest, unknown_fields
-from api_server.tool_calls import ToolCalling, ToolCallReader
+from api_server.reasoning import Reasoning, ReasoningParser
+from api_server.tool_calls import ToolCalling
 from api_server.tool_parsers import pick_tool_parser
 from api_server.tool_protocol import ToolUse
 from common.messages import ModelInfo, TokenLogprobs
@@ -48,6 +50,9 @@ def chat_logprobs(
     }
 
 
+# Enough of a prompt's end to see whether its template opened a reasoning section.
+_PROMPT_TAIL_TOKENS = 8
+
 # apply_chat_template's own parameters: a request's chat_template_kwargs may not set them.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -74,7 +79,11 @@ class ChatTemplate:
     tools through the tool-call format's (``tool_calls.ToolCalling``)."""
 
     def __init__(
-        self, service: CompletionService, chat_template: str | None, tool_call_parser: str = "auto"
+        self,
+        service: CompletionService,
+        chat_template: str | None,
+        tool_call_parser: str = "auto",
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.service = service
         self.template = chat_template or getattr(service.tokenizer, "chat_template", None)
@@ -82,6 +91,47 @@ class ChatTemplate:
             pick_tool_parser(tool_call_parser, self.template),
             self.template,
             chat_template is not None,
+        )
+        self.reasoning = reasoning
+
+    def reasoning_of(self, req: ChatCompletionRequest, ids: list[int]) -> Reasoning | None:
+        """How this prompt's output holds its reasoning (None: the server reads none)."""
+        if self.reasoning is None:
+            if req.thinking_token_budget is not None:
+                raise ApiError(
+                    400,
+                    "a thinking budget needs a server started with --reasoning-parser",
+                    param="thinking_token_budget",
+                )
+            return None
+        tail = self.service.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:])
+        return Reasoning(
+            self.reasoning,
+            self.reasoning.opens(tail),
+            req.thinking_token_budget,
+            req.include_reasoning,
+        )
+
+    def output_rules(
+        self, req: ChatCompletionRequest, ids: list[int], use: ToolUse | None
+    ) -> tuple[OutputRules, Reasoning | None]:
+        """The grammar and stop bounds of this prompt's output, and its reasoning."""
+        rules = self.tools.rules(use)
+        reasoning = self.reasoning_of(req, ids)
+        if reasoning is not None:
+            rules = reasoning.rules(rules, req.structured_output())
+        return rules, reasoning
+
+    def reader(self, prompt: Prompt, id_prefix: str = "call_") -> OutputReader | None:
+        """A reader of one choice's output; None when it is plain text."""
+        reasoning = prompt.reasoning
+        tools = self.tools.reader(prompt.tools, id_prefix)
+        if reasoning is None and tools is None:
+            return None
+        return OutputReader(
+            reasoning.reader() if reasoning else None,
+            tools,
+            shown_reasoning=bool(reasoning and reasoning.shown),
         )
 
     def prompt_ids(self, req: ChatCompletionRequest, use: ToolUse | None = None) -> list[int]:
@@ -150,17 +200,18 @@ class ChatFormat:
                 param="response_format",
             )
         ids = self.template.prompt_ids(request, use)
-        return [Prompt(ids, rules=self.template.tools.rules(use), tools=use)]
+        rules, reasoning = self.template.output_rules(request, ids, use)
+        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning)]
 
-    def _reader(self, choice: Choice) -> ToolCallReader | None:
-        """The choice's reader, made on first use; None for a choice without tool calls."""
+    def _reader(self, choice: Choice) -> OutputReader | None:
+        """The choice's reader, made on first use; None for a plain-text choice."""
         if choice.reader is None:
-            choice.reader = self.template.tools.reader(choice.prompt.tools)
-        reader: ToolCallReader | None = choice.reader
+            choice.reader = self.template.reader(choice.prompt)
+        reader: OutputReader | None = choice.reader
         return reader
 
     @staticmethod
-    def _finish(reason: str | None, reader: ToolCallReader | None, legacy: bool) -> str | None:
+    def _finish(reason: str | None, reader: OutputReader | None, legacy: bool) -> str | None:
         """A turn that ended in calls says so ('length' still says a call was cut)."""
         if reason == "stop" and reader is not None and reader.has_calls:
             return "function_call" if legacy else "tool_calls"
@@ -206,12 +257,14 @@ class ChatFormat:
         delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
         legacy = choice.prompt.tools is not None and choice.prompt.tools.legacy
         if reader is not None:
-            content, calls = reader.push(piece.text, piece.finish_reason is not None)
-            delta = {"content": content} if content else {}
-            if calls and legacy:
-                delta["function_call"] = {k: v for c in calls for k, v in c["function"].items()}
-            elif calls:
-                delta["tool_calls"] = calls
+            got = reader.push(piece.text, piece.finish_reason is not None)
+            delta = {"content": got.content} if got.content else {}
+            if got.reasoning:  # vLLM's older name and its newer one
+                delta |= {"reasoning_content": got.reasoning, "reasoning": got.reasoning}
+            if got.calls and legacy:
+                delta["function_call"] = {k: v for c in got.calls for k, v in c["function"].items()}
+            elif got.calls:
+                delta["tool_calls"] = got.calls
         if reader is not None and not delta and not piece.finish_reason and not piece.logprobs:
             return []  # text held back: it may begin a call
         choice_body = {
@@ -242,9 +295,12 @@ class ChatFormat:
             reader = self._reader(c)
             legacy = c.prompt.tools is not None and c.prompt.tools.legacy
             if reader is not None:
-                content, _ = reader.push(c.text, final=True)
+                content = reader.push(c.text, final=True).content
                 calls = reader.message_calls()
                 message["content"] = content or (None if calls else "")
+                if reader.reasoning is not None:
+                    thought = reader.reasoning_text if reader.shown_reasoning else ""
+                    message["reasoning_content"] = message["reasoning"] = thought or None
                 if calls and legacy:
                     message["function_call"] = calls[0]["function"]
                 elif calls:

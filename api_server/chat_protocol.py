@@ -60,6 +60,9 @@ class ChatCompletionRequest(GenerationRequest):
     functions: list[FunctionDef] | None = None
     function_call: FunctionCallField | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning (--reasoning-parser): vLLM's names.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    include_reasoning: bool = True
 
     def refused_fields(self) -> dict[str, bool]:
         refused = super().refused_fields()

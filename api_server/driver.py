@@ -38,6 +38,7 @@ from api_server.generation import (
 from api_server.http_util import caller_of, first_piece, json_body, key_id_of
 from api_server.kv_transfer_params import parse_kv_transfer_params
 from api_server.protocol import GenerationRequest, usage
+from api_server.reasoning import Reasoning
 from api_server.tool_protocol import ToolUse
 from common.messages import ModelInfo
 
@@ -63,6 +64,7 @@ class Prompt:
     # The format's grammar and stop-string bounds for this prompt's output.
     rules: OutputRules = field(default_factory=OutputRules)
     tools: ToolUse | None = None  # chat: the request's function tools, resolved
+    reasoning: Reasoning | None = None  # chat: how the output holds its reasoning section
 
 
 @dataclass

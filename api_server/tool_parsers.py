@@ -21,7 +21,7 @@ from importlib import resources
 from typing import Any, ClassVar
 
 from api_server.tool_protocol import FunctionDef, ToolMode, ToolUse
-from api_server.tool_scan import Cursor
+from api_server.tool_scan import Cursor, held_prefix, regex_literal
 
 # Arguments in one spelling (what ``json.dumps`` writes), so that a small model cannot
 # wander into unbounded whitespace.
@@ -90,13 +90,13 @@ class ToolParser(ABC):
             rest = head[len(self.trigger) :]
             start = (
                 f"start: CONTENT | lead {_lit(rest) if rest else ''} ({named}) {more} {close}\n"
-                f"CONTENT: /(.|\\n)*/ & ~/(.|\\n)*{_regex(self.trigger)}(.|\\n)*/\n"
+                f"CONTENT: /(.|\\n)*/ & ~/(.|\\n)*{regex_literal(self.trigger)}(.|\\n)*/\n"
                 f"lead[lazy]: /(.|\\n)*/ {_lit(self.trigger)}"
             )
         else:
             start = (
                 f"start: CONTENT | {_lit(head)} ({named}) {more} {close}\n"
-                f"CONTENT: /(.|\\n)*/ & ~/{_regex(self.trigger)}(.|\\n)*/"
+                f"CONTENT: /(.|\\n)*/ & ~/{regex_literal(self.trigger)}(.|\\n)*/"
             )
         return "\n".join(
             ["%llguidance {}", start, f"call: {_lit(self.call_head)} ({named})", *rules]
@@ -108,7 +108,9 @@ class ToolParser(ABC):
         if self.trigger_anywhere:
             at = text.find(self.trigger)
             if at < 0:
-                return Extracted(text if final else text[: len(text) - _held(text, self.trigger)])
+                return Extracted(
+                    text if final else text[: len(text) - held_prefix(text, self.trigger)]
+                )
         elif text.startswith(self.trigger):
             at = 0
         else:  # content, unless what there is so far may still become the trigger
@@ -124,23 +126,6 @@ class ToolParser(ABC):
                 if not call.complete or not cur.expect(self.sep) or not cur.expect(self.call_head):
                     break
         return Extracted(text[:at], calls)
-
-
-def _held(text: str, trigger: str) -> int:
-    """Length of the longest tail of ``text`` that begins ``trigger``."""
-    for n in range(min(len(trigger) - 1, len(text)), 0, -1):
-        if text.endswith(trigger[:n]):
-            return n
-    return 0
-
-
-def _regex(text: str) -> str:
-    """``text`` as a literal inside a Lark /regex/."""
-    assert "/" not in text  # it would end the Lark regex
-    return "".join(f"\\{c}" if c in _REGEX_META else "\\n" if c == "\n" else c for c in text)
-
-
-_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
 class JsonCallParser(ToolParser):

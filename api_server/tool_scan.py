@@ -1,4 +1,5 @@
-"""A cursor over a model's output, for reading tool calls written under their grammar.
+"""A cursor over a model's output, for reading tool calls written under their grammar,
+and the two helpers a stream's tags need (a held-back tail, a tag inside a regex).
 
 Every read says whether the text ran out before the thing read was complete, so the
 same walk serves a stream's partial text and a finished answer.
@@ -69,3 +70,20 @@ class Cursor:
             i += 1
         self.at = i
         return text[start:], False
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``tag`` (held back from a
+    stream until the next text says whether the tag follows)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/regex/`` (``/`` escaped, as it would end it)."""
+    return "".join(f"\\{c}" if c in _REGEX_META else "\\n" if c == "\n" else c for c in text)

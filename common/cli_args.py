@@ -11,6 +11,7 @@ from common.config import (
     DTYPES,
     GGUF_ACTIVATIONS,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     TandemConfig,
 )
@@ -58,6 +59,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the format of tool calls on /v1/chat/completions (auto: the one the model's chat "
         "template writes, else its family's); a model whose template knows no tools gets "
         "Tandem's template for the format",
+    )
+    m.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="read the model's <think> section into message.reasoning_content (qwen3: the "
+        "model opens it; deepseek_r1: the template does); enables thinking_token_budget",
     )
     m.add_argument(
         "--attention-backend",

@@ -33,6 +33,8 @@ GgufActivations = Literal["auto", "q8", "float"]
 GGUF_ACTIVATIONS: tuple[str, ...] = ("auto", "q8", "float")
 # --tool-call-parser: the tool-call formats of api_server/tool_parsers.py (auto: the model's).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic", "gemma3")
+# --reasoning-parser: the <think> section formats of api_server/reasoning.py.
+REASONING_PARSERS: tuple[str, ...] = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
     tool_call_parser: str = "auto"  # the format tool calls are written and read in
+    reasoning_parser: str | None = None  # None: the output holds no reasoning section
     # On CPU: native kernels (attention, norms, ...; built once), PyTorch ops, or native if it builds.
     attention_backend: AttentionBackend = "auto"
     quantization: Quantization = "none"
@@ -62,6 +65,10 @@ class ModelConfig:
         require(
             self.tool_call_parser in TOOL_CALL_PARSERS,
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        require(
+            self.reasoning_parser in (None, *REASONING_PARSERS),
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
         )
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
         require(

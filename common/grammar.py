@@ -32,6 +32,8 @@ def grammar_text(structured: StructuredOutput) -> str:
     """The llguidance grammar definition of a structured-output spec."""
     if structured.kind == StructuredOutputKind.JSON_OBJECT:
         return llguidance.grammar_from("json_schema", _ANY_JSON_OBJECT)
+    if structured.kind == StructuredOutputKind.LLGUIDANCE:
+        return structured.spec
     try:
         return llguidance.grammar_from(_FORMATS[structured.kind], structured.spec)  # type: ignore[arg-type]
     except (ValueError, KeyError) as e:

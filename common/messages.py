@@ -66,6 +66,7 @@ class StructuredOutputKind(enum.IntEnum):
     REGEX = 2  # spec: a regular expression the whole output matches
     CHOICE = 3  # spec: a JSON list of strings, the output is one of them
     GRAMMAR = 4  # spec: an EBNF (GBNF) grammar whose root rule the output matches
+    LLGUIDANCE = 5  # spec: llguidance's JSON grammar (several, referring to one another)
 
 
 class StructuredOutput(_Wire):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,15 @@ def build(family: str, path: Path, **overrides: Any) -> PreTrainedModel:
                 p.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model_cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def build_servable(family: str, path: Path, tokenizer_dir: Path, **overrides: Any) -> Path:
+    """A random checkpoint of ``family`` a server can speak through: SmolLM2's tokenizer
+    (and so its vocabulary) copied in beside the weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
+    vocab = {"vocab_size": 49152, "max_position_embeddings": 2048, "bos_token_id": 1}
+    vocab |= {"eos_token_id": 2, "pad_token_id": 2}  # as SmolLM2 names its turn end
+    build(family, path, **{**vocab, **overrides})
+    for name in tokenizer_files:
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
