@@ -12,7 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_server.chat_protocol import ChatCompletionRequest, ChatMessage
+from api_server.chat_protocol import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    ToolMessage,
+    text_message,
+)
 from api_server.errors import ApiError
 from api_server.protocol import MAX_STOP_STRINGS, JsonSchemaFormat, ResponseFormat
 from api_server.tool_protocol import (
@@ -152,7 +158,7 @@ class MessagesRequest(_Body):
         messages = []
         if self.system:
             system = self.system if isinstance(self.system, str) else _joined(self.system)
-            messages.append(ChatMessage(role="system", content=system))
+            messages.append(text_message("system", system))
         messages += self._chat_messages()
         response_format = None
         if self.output_format is not None:
@@ -202,7 +208,7 @@ class MessagesRequest(_Body):
                         param=f"messages.{i}.content.{j}.tool_use_id",
                     )
                 text = f"Error: {b.text()}" if b.is_error else b.text()
-                out.append(ChatMessage(role="tool", content=text, tool_call_id=b.tool_use_id))
+                out.append(ToolMessage(content=text, tool_call_id=b.tool_use_id))
             calls = [
                 ToolCall(
                     id=b.id,
@@ -218,7 +224,11 @@ class MessagesRequest(_Body):
             called |= {c.id for c in calls}
             text = m.text()
             if text or calls or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                out.append(ChatMessage(role=m.role, content=text, tool_calls=calls or None))
+                out.append(
+                    AssistantMessage(content=text, tool_calls=calls or None)
+                    if m.role == "assistant"
+                    else text_message(m.role, text)
+                )
         return out
 
     def _chat_tools(self) -> list[ToolDef] | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from api_server.chat_protocol import ChatCompletionRequest
+from api_server.chat_protocol import AssistantMessage, ChatCompletionRequest, ToolMessage
 from api_server.driver import Choice, Generation, Parsed, Prompt
 from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body
 from api_server.generation import CompletionService, OutputRules, Piece
@@ -135,7 +135,10 @@ class ChatTemplate:
         )
 
     def prompt_ids(self, req: ChatCompletionRequest, use: ToolUse | None = None) -> list[int]:
-        with_tools = use is not None or any(m.role == "tool" or m.tool_calls for m in req.messages)
+        with_tools = use is not None or any(
+            isinstance(m, ToolMessage) or (isinstance(m, AssistantMessage) and m.tool_calls)
+            for m in req.messages
+        )
         template = req.chat_template or (self.tools.template if with_tools else self.template)
         tools = {"tools": use.template_tools()} if use is not None else {}
         if not template:

@@ -28,12 +28,9 @@ class ContentPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+class _Message(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool result's
 
     def text(self) -> str:
         if self.content is None:
@@ -41,6 +38,49 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"] = "system"  # "developer": OpenAI's newer name
+
+
+class UserMessage(_Message):
+    role: Literal["user"] = "user"
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(_Message):
+    """A tool's result, answering the assistant call ``tool_call_id`` names."""
+
+    role: Literal["tool"] = "tool"
+    tool_call_id: str
+
+
+# One type per role, as OpenAI's own schema has them, so /openapi.json says which
+# fields each role takes (a tool message without its call's id is not a valid body).
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+def text_message(
+    role: Literal["system", "developer", "user", "assistant"], content: str
+) -> ChatMessage:
+    """A message of ``role`` carrying only text."""
+    if role == "user":
+        return UserMessage(content=content)
+    if role == "assistant":
+        return AssistantMessage(content=content)
+    return SystemMessage(role=role, content=content)
+
+
+def called_ids(messages: list[ChatMessage]) -> set[str]:
+    """The ids of the tool calls the assistant messages among ``messages`` made."""
+    return {c.id for m in messages if isinstance(m, AssistantMessage) for c in m.tool_calls or []}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -106,14 +146,9 @@ class ChatCompletionRequest(GenerationRequest):
         """Every tool result answers a call an earlier assistant message made."""
         called: set[str] = set()
         for i, m in enumerate(self.messages):
-            called |= {c.id for c in m.tool_calls or []}
-            if m.role != "tool":
-                continue
-            if m.tool_call_id is None:
-                raise ApiError(
-                    400, "a 'tool' message needs 'tool_call_id'", param=f"messages.{i}.tool_call_id"
-                )
-            if m.tool_call_id not in called:
+            if isinstance(m, AssistantMessage):
+                called |= {c.id for c in m.tool_calls or []}
+            if isinstance(m, ToolMessage) and m.tool_call_id not in called:
                 raise ApiError(
                     400,
                     f"tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call",
@@ -129,7 +164,7 @@ class ChatCompletionRequest(GenerationRequest):
                 "role": "system" if m.role == "developer" else m.role,
                 "content": m.text(),
             }
-            if m.tool_calls:
+            if isinstance(m, AssistantMessage) and m.tool_calls:
                 message["tool_calls"] = [
                     {
                         "id": c.id,
@@ -143,10 +178,10 @@ class ChatCompletionRequest(GenerationRequest):
                     }
                     for j, c in enumerate(m.tool_calls)
                 ]
-            if m.tool_call_id is not None:
+            if isinstance(m, ToolMessage):
                 message["tool_call_id"] = m.tool_call_id
-            if m.name is not None and m.role == "tool":
-                message["name"] = m.name
+                if m.name is not None:
+                    message["name"] = m.name
             out.append(message)
         return out
 

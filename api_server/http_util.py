@@ -37,7 +37,7 @@ def validate(body: dict[str, Any], schema: type[T], status: int = 422) -> T:
     try:
         return schema.model_validate(body)
     except ValidationError as e:
-        message, param = validation_error_param(e)
+        message, param = validation_error_param(e, body)
         raise ApiError(status, message, param=param) from None
 
 

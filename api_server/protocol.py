@@ -336,19 +336,37 @@ class CompletionRequest(GenerationRequest):
         return [[int(t) for t in p] if isinstance(p, list) else str(p) for p in self.prompt]
 
 
-def validation_error_param(error: ValidationError) -> tuple[str, str | None]:
-    """A one-line message naming the offending field, and that field's name."""
+def validation_error_param(error: ValidationError, body: Any = None) -> tuple[str, str | None]:
+    """A one-line message naming the offending field, and that field's name (its path in
+    ``body``: without the tags pydantic puts in for a union's branch)."""
     errors: list[Any] = list(error.errors())
     # For a union field (``stop``: a string or a list) pydantic reports one error per
     # branch; the branch the value fits by type has the telling one ("at most 16 items",
     # not "should be a valid string").
     first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
-    loc = ".".join(
-        str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "str", "list"))
-    )
+    loc = ".".join(str(p) for p in _body_path(first.get("loc", ()), body))
     if first.get("type") == "extra_forbidden":
         return f"'{loc}' is not supported", loc or None
     return f"'{loc or 'body'}': {first.get('msg', 'invalid value')}", loc or None
+
+
+def _body_path(loc: tuple[Any, ...], body: Any) -> list[Any]:
+    """``loc`` less what is not a step into the body: a branch's name for a plain union
+    (``str``, ``list[...]``, ``function-...``) and a tagged union's tag (a message's
+    ``tool`` in ``messages.0.tool.tool_call_id``: the value of its ``role``)."""
+    path: list[Any] = []
+    node = body
+    for part in loc:
+        if isinstance(part, str) and part.startswith(("function-", "str", "list")):
+            continue
+        if isinstance(node, dict) and part not in node and part in node.values():
+            continue  # the tag: the value of the discriminating field of this object
+        path.append(part)
+        try:
+            node = node[part] if isinstance(node, (dict, list)) else None
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return path
 
 
 def finish_reason_text(reason: FinishReason | None) -> str | None:
