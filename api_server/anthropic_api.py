@@ -120,7 +120,7 @@ class MessagesFormat:
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
 
-    def parse(self, body: dict[str, Any]) -> Parsed:
+    def parse(self, body: dict[str, Any], owner: str | None) -> Parsed:
         req = validate(body, MessagesRequest, status=400)  # Anthropic answers 400
         req.refuse_unsupported()
         unknown = unknown_fields(req)

@@ -1,6 +1,7 @@
-"""HTTP routes: the three generation routes (one ``GenerationDriver`` each, with the
-format object of its flavour: ``completions.py``, ``chat.py``, ``anthropic_api.py``),
-models, tokenize, health, readiness, stats, metrics, cancel.
+"""HTTP routes: the four generation routes (one ``GenerationDriver`` each, with the
+format object of its flavour: ``completions.py``, ``chat.py``, ``anthropic_api.py``,
+``responses_api.py``), kept responses, models, tokenize, health, readiness, stats,
+metrics, cancel.
 
 A generation's path: parse + validate (``protocol.py``) -> template / tokenize ->
 ``EngineClient`` (``client.py``) -> incremental detokenize + stop strings
@@ -38,6 +39,8 @@ from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
 from api_server.reasoning import REASONING_PARSERS_BY_NAME
+from api_server.response_store import ResponseStore
+from api_server.responses_api import ResponsesFormat
 from common.config import CacheConfig
 from common.messages import SchedulerStats
 
@@ -59,6 +62,7 @@ ROUTE_PATHS = frozenset(
         "/v1/completions/render",
         "/v1/chat/completions/render",
         "/v1/messages",
+        "/v1/responses",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -118,10 +122,13 @@ def create_app(
 ) -> Starlette:
     reasoning = REASONING_PARSERS_BY_NAME[reasoning_parser] if reasoning_parser else None
     template = ChatTemplate(service, chat_template, tool_call_parser, reasoning)
+    chat = ChatFormat(service, template)
+    responses = ResponsesFormat(chat, ResponseStore())
     generation_routes: dict[str, ApiFormat] = {
         "/v1/completions": CompletionFormat(service),
-        "/v1/chat/completions": ChatFormat(service, template),
+        "/v1/chat/completions": chat,
         "/v1/messages": MessagesFormat(template),
+        "/v1/responses": responses,
     }
     drivers = {
         path: GenerationDriver(service, fmt, max_choices, strict_fields)
@@ -301,6 +308,8 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         ],
         exception_handlers={
             ApiError: api_error,
@@ -315,7 +324,7 @@ def create_app(
                     Middleware(
                         CORSMiddleware,
                         allow_origins=list(allowed_origins),
-                        allow_methods=["GET", "POST"],
+                        allow_methods=["GET", "POST", "DELETE"],
                         allow_headers=["Authorization", "Content-Type", "x-api-key"],
                         expose_headers=["X-Request-Id", "X-Tandem-Ignored-Fields"],
                     )

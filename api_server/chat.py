@@ -188,7 +188,7 @@ class ChatFormat:
         self.service = service
         self.template = template
 
-    def parse(self, body: dict[str, Any]) -> Parsed:
+    def parse(self, body: dict[str, Any], owner: str | None) -> Parsed:
         req = validate(body, ChatCompletionRequest)
         return Parsed(req, unknown_fields(req), req.ignored_fields())
 

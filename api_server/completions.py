@@ -52,7 +52,7 @@ class CompletionFormat:
     def __init__(self, service: CompletionService) -> None:
         self.service = service
 
-    def parse(self, body: dict[str, Any]) -> Parsed:
+    def parse(self, body: dict[str, Any], owner: str | None) -> Parsed:
         req = validate(body, CompletionRequest)
         return Parsed(req, unknown_fields(req), req.ignored_fields())
 

@@ -135,8 +135,9 @@ class ApiFormat(Protocol):
     id_prefix: str  # cmpl-, chatcmpl-, msg_
     errors: ErrorFormat
 
-    def parse(self, body: dict[str, Any]) -> Parsed:
-        """The body as a generation request (ApiError on invalid fields)."""
+    def parse(self, body: dict[str, Any], owner: str | None) -> Parsed:
+        """The body as a generation request (ApiError on invalid fields); ``owner`` is the
+        caller's API key (what a stored earlier response is looked up under)."""
         ...
 
     def prompts(self, request: GenerationRequest, info: ModelInfo) -> list[Prompt]:
@@ -224,7 +225,7 @@ class GenerationDriver:
         (template applied), generating nothing. vLLM's router asks every instance for
         them to match a request's prefix against the instances' KV events."""
         try:
-            req = self.format.parse(await json_body(request)).request
+            req = self.format.parse(await json_body(request), key_id_of(request)).request
             self.check_model(req.model)
             prompts = self.format.prompts(req, self.service.model_info())
         except ApiError as e:
@@ -234,7 +235,7 @@ class GenerationDriver:
 
     async def _handle(self, request: Request) -> Response:
         service, fmt = self.service, self.format
-        parsed = fmt.parse(await json_body(request))
+        parsed = fmt.parse(await json_body(request), key_id_of(request))
         req = parsed.request
         self.check_model(req.model)
         headers = self._check_fields(parsed)

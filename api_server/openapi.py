@@ -15,6 +15,7 @@ from api_server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from api_server.responses_protocol import ResponsesRequest
 
 _ERROR = {
     "type": "object",
@@ -39,6 +40,7 @@ _POST: list[tuple[str, type[BaseModel], str]] = [
     ("/v1/completions/render", CompletionRequest, "A completion's prompt token ids"),
     ("/v1/chat/completions/render", ChatCompletionRequest, "A chat's prompt token ids"),
     ("/v1/messages", MessagesRequest, "Create a message (Anthropic)"),
+    ("/v1/responses", ResponsesRequest, "Create a response (OpenAI Responses)"),
     ("/tokenize", TokenizeRequest, "Tokenize a prompt"),
     ("/detokenize", DetokenizeRequest, "Turn token ids back into text"),
 ]
@@ -98,6 +100,17 @@ def openapi_document(served_model_name: str) -> dict[str, Any]:
                 },
             }
         }
+    kept = "/v1/responses/{response_id}"
+    by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    not_kept = {"404": _json(_ERROR, "No such response kept for this API key")}
+    paths[kept] = {
+        method: {
+            "summary": summary,
+            "parameters": by_id,
+            "responses": {"200": _json({"type": "object"}, "Success"), **not_kept},
+        }
+        for method, summary in (("get", "A kept response"), ("delete", "Forget a kept response"))
+    }
     return {
         "openapi": "3.1.0",
         "info": {
