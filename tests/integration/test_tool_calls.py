@@ -165,16 +165,14 @@ VALUE = st.recursive(
 )
 
 
-@settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(schema=_object(VALUE), seed=st.integers(0, 2**31))
-def test_every_call_over_random_schemas_parses_and_validates(
-    client: openai.OpenAI, schema: dict[str, Any], seed: int
+def every_call_parses_and_validates(
+    client: openai.OpenAI, schema: dict[str, Any], temperature: float, seed: int
 ) -> None:
+    """The property: one call, its arguments valid under ``schema``, and the streamed
+    answer's fragments concatenating to exactly the same arguments."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     kwargs = {"messages": ASK, "tools": tools, "tool_choice": "required", "max_tokens": 250}
-    kwargs |= {"temperature": 1.0, "seed": seed, "parallel_tool_calls": False}
+    kwargs |= {"temperature": temperature, "seed": seed, "parallel_tool_calls": False}
     answer = create(client, **kwargs)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -182,3 +180,27 @@ def test_every_call_over_random_schemas_parses_and_validates(
     jsonschema.validate(json.loads(call.function.arguments), schema)
     content, calls, finish = streamed(client, **kwargs)
     assert (content, calls, finish) == ("", [("f", call.function.arguments)], "tool_calls")
+
+
+# Greedy and sampled: a seeded sampled answer is as repeatable as a greedy one, so the
+# streamed and non-streamed answers of either must agree.
+TEMPERATURE = st.sampled_from([0.0, 1.0])
+SEED = st.integers(0, 2**31)
+NO_FIXTURE_CHECK = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=NO_FIXTURE_CHECK)
+@given(schema=_object(VALUE), temperature=TEMPERATURE, seed=SEED)
+def test_every_call_over_random_schemas_parses_and_validates(
+    client: openai.OpenAI, schema: dict[str, Any], temperature: float, seed: int
+) -> None:
+    every_call_parses_and_validates(client, schema, temperature, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=NO_FIXTURE_CHECK)
+@given(schema=_object(VALUE), temperature=TEMPERATURE, seed=SEED)
+def test_every_call_over_200_random_schemas_parses_and_validates(
+    client: openai.OpenAI, schema: dict[str, Any], temperature: float, seed: int
+) -> None:
+    every_call_parses_and_validates(client, schema, temperature, seed)
