@@ -337,4 +337,6 @@ class ChatFormat:
             body["prompt_logprobs"] = vllm_prompt_logprobs(
                 self.service.tokenizer, first.prompt.ids, scored, gen.request.prompt_logprobs
             )
+        if gen.request.return_token_ids:  # as vLLM: the rendered prompt's ids, top level
+            body["prompt_token_ids"] = first.prompt.ids
         return body
