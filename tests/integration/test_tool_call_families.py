@@ -68,9 +68,8 @@ def served(
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> Any:
-    return client.chat.completions.create(
-        **{"model": MODEL, "temperature": 0, "max_tokens": 200} | kwargs
-    )
+    defaults: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 200}
+    return client.chat.completions.create(**defaults | kwargs)
 
 
 def streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[tuple[str, str]], str | None]:
@@ -98,7 +97,7 @@ def test_the_family_format_carries_a_valid_call(
     kwargs = {"messages": ASK, "tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
     answer = create(client, extra_body={"return_token_ids": True}, **kwargs)
     choice0 = answer.choices[0]
-    raw = AutoTokenizer.from_pretrained(path).decode(choice0.model_extra["token_ids"])
+    raw = str(AutoTokenizer.from_pretrained(path).decode(choice0.model_extra["token_ids"]))
     assert raw.startswith(opening), raw
     assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
     (call,) = choice0.message.tool_calls
