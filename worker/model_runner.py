@@ -244,7 +244,7 @@ class ModelRunner:
             num_prompt_tokens=[s.num_prompt_tokens for s in states],
             vocab_size=logits.shape[-1],
             eos_token_ids=self.model_info.eos_token_ids,
-            token_bitmask=self.structured.bitmask([s.grammar for s in states]),
+            constraint=self.structured.step([s.grammar for s in states]),
         )
         result = sample(logits, batch, self.ops)
         if self.tp.broadcasts_samples:

@@ -2,11 +2,21 @@
 
 Order, as in vLLM: log-probabilities of the raw logits (what ``logprobs`` reports) ->
 token filters (``min_tokens`` bans, ``allowed_token_ids``, the structured-output
-bitmask) and ``logit_bias`` -> repetition / presence / frequency penalties -> greedy
+grammar) and ``logit_bias`` -> repetition / presence / frequency penalties -> greedy
 rows take the argmax -> temperature
 -> min-p, top-k, top-p masks -> a random draw. A draw inverts the row's cumulative
 distribution at one uniform number (``_draw``), so a seeded request takes that number
 from its own generator and its samples do not depend on the rest of the batch.
+
+A grammar's mask is computed only where it is needed, as llama.cpp's sampler does: a
+constrained row first picks from its unmasked logits, and only when its grammar rejects
+that token is the row masked and picked again. Exact: a greedy row's argmax, when
+allowed, is the masked argmax too (masking removes tokens, ties go to the lowest id
+either way); a sampled row draws from p and keeps an allowed token, else draws from p
+restricted to the allowed set A, so a token x of A comes out with p(x) + (1 - p(A))
+p(x) / p(A) = p(x) / p(A), the masked distribution. Rows that truncate (top-k, top-p,
+min-p) would truncate a different set unmasked, so they are masked first. A mask costs
+~0.2 ms a row on SmolLM2's 49,152 tokens; checking a token, microseconds.
 """
 
 from __future__ import annotations
@@ -14,11 +24,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
 from common.messages import SamplingParams, TokenLogprobs
 from worker.ops import Ops, TorchOps
+
+
+class Constraint(Protocol):
+    """The grammars of a step's constrained rows (``worker/structured.py``)."""
+
+    @property
+    def rows(self) -> Sequence[int]:
+        """The constrained rows, ascending."""
+        ...
+
+    def accepts(self, row: int, token: int) -> bool:
+        """Whether ``row``'s grammar may take ``token`` next."""
+        ...
+
+    def bitmask(self, rows: Sequence[int]) -> torch.Tensor:
+        """``[len(rows), ceil(vocab / 32)]`` int32, a bit per token ``rows`` may take."""
+        ...
 
 
 def _per_row(field: str, dtype: torch.dtype = torch.float32) -> cached_property[torch.Tensor]:
@@ -49,7 +77,7 @@ class SamplingBatch:
     banned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, token ids) not to sample now
     allowed: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (row, the only ids it may sample)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
-    token_bitmask: torch.Tensor | None = None  # structured outputs: [n, vocab / 32] int32
+    constraint: Constraint | None = None  # structured outputs' grammars
 
     # [n] each, made when first read
     temperature = _per_row("temperature")  # 0 = greedy
@@ -69,7 +97,7 @@ class SamplingBatch:
         num_prompt_tokens: list[int] | None = None,
         vocab_size: int = 0,
         eos_token_ids: Sequence[int] = (),
-        token_bitmask: torch.Tensor | None = None,
+        constraint: Constraint | None = None,
     ) -> SamplingBatch:
         """``token_ids`` / ``num_prompt_tokens`` (each row's tokens so far and how many are
         prompt) are needed when some row uses a penalty or ``min_tokens``."""
@@ -116,7 +144,7 @@ class SamplingBatch:
             banned=tuple(banned),
             allowed=allowed,
             bias=bias,
-            token_bitmask=token_bitmask,
+            constraint=constraint if constraint is not None and constraint.rows else None,
             output_counts=counts,
             seen_mask=seen,
             generators=tuple(generators),
@@ -157,17 +185,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -
     """``logits``: [n, vocab] -> one token per row (and logprobs where asked). ``ops``
     applies the structured-output bitmask (the worker's ops; PyTorch's by default)."""
     ops = ops or TorchOps()
+    constraint = batch.constraint
     filtered = bool(batch.banned or batch.allowed or batch.bias is not None)
-    filtered = filtered or batch.token_bitmask is not None
+    filtered = filtered or constraint is not None
     if filtered or batch.output_counts is not None or not batch.all_greedy:
         # A plain greedy step skips this copy: its argmax reads the logits as they are
         # (bf16 values compare as their float32 conversions do).
         logits = logits.float()
     raw = logits
     if filtered:
-        logits = _filter(logits.clone(), batch, ops)
+        logits = _filter(logits.clone(), batch)
+    masked_first: list[int] = []
+    if constraint is not None:
+        masked_first = [r for r in constraint.rows if _truncates(batch.params[r])]
+        if masked_first:
+            _mask_rows(logits, masked_first, constraint, ops)
     if batch.output_counts is not None:
-        logits = _apply_penalties(logits, batch)
+        logits = _apply_penalties(logits, batch)  # elementwise: a masked -inf stays -inf
     tokens = ops.argmax(logits)
     if not batch.all_greedy:
         greedy = batch.temperature == 0
@@ -177,7 +211,48 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops | None = None) -
         uniform = _uniforms(probs.shape[0], batch.generators, probs.device)
         tokens = torch.where(greedy, tokens, _draw(probs, uniform))
     token_list: list[int] = tokens.tolist()
+    if constraint is not None:
+        rejected = [
+            r
+            for r in constraint.rows
+            if r not in masked_first and not constraint.accepts(r, token_list[r])
+        ]
+        if rejected:
+            again = _mask_rows(logits, rejected, constraint, ops)
+            picked = _pick_untruncated(again, batch, rejected, ops)
+            tokens[rejected] = picked
+            for r, token in zip(rejected, picked.tolist(), strict=True):
+                token_list[r] = token
     return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _mask_rows(
+    logits: torch.Tensor, rows: list[int], constraint: Constraint, ops: Ops
+) -> torch.Tensor:
+    """Mask ``rows`` of ``logits`` by their grammars, in place; return those rows."""
+    picked = logits[rows]
+    ops.apply_token_bitmask(picked, constraint.bitmask(rows))
+    logits[rows] = picked
+    return picked
+
+
+def _pick_untruncated(
+    logits: torch.Tensor, batch: SamplingBatch, rows: list[int], ops: Ops
+) -> torch.Tensor:
+    """A token for each of ``rows`` (``logits`` holds just those rows), none of which
+    truncates: the argmax for greedy rows, a draw at temperature for the others."""
+    tokens = ops.argmax(logits)
+    temperature = batch.temperature[rows]
+    greedy = temperature == 0
+    if bool(greedy.all()):
+        return tokens
+    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    generators = [batch.generators[r] for r in rows]
+    return torch.where(greedy, tokens, _draw(probs, _uniforms(len(rows), generators, probs.device)))
 
 
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -208,16 +283,14 @@ def _uniforms(
     return uniform
 
 
-def _filter(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
-    """Token bans, allow-lists, the structured-output bitmask and logit biases, in place."""
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Token bans, allow-lists and logit biases, in place."""
     for row, ids in batch.banned:
         logits[row, list(ids)] = float("-inf")
     for row, allowed in batch.allowed:
         keep = logits[row, list(allowed)].clone()
         logits[row] = float("-inf")
         logits[row, list(allowed)] = keep
-    if batch.token_bitmask is not None:
-        ops.apply_token_bitmask(logits, batch.token_bitmask)
     if batch.bias is not None:
         rows, token_ids, values = batch.bias
         logits.index_put_((rows, token_ids), values, accumulate=True)

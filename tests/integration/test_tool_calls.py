@@ -129,11 +129,11 @@ def test_auto_lets_the_model_answer_in_text_without_a_raw_tag(client: openai.Ope
 
 
 # Random argument schemas: nested objects, arrays, enums and consts whose strings hold
-# quotes, braces and the format's own closing tag; strings and arrays bounded so that a
-# call ends within max_tokens.
+# quotes, braces and the format's own closing tag; integers, strings and arrays bounded so
+# that a call ends within max_tokens (greedy, SmolLM2 writes `2000…` without end).
 AWKWARD = st.sampled_from(['a"b', "{x}", "</tool_call>", "tab\there", "ünï", "]),"])
 LEAF = st.one_of(
-    st.just({"type": "integer"}),
+    st.builds(lambda n: {"type": "integer", "minimum": -n, "maximum": n}, st.integers(0, 10**6)),
     st.just({"type": "boolean"}),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
     st.builds(lambda vs: {"enum": vs}, st.lists(AWKWARD, min_size=1, max_size=3, unique=True)),

@@ -4,6 +4,7 @@ distribution as documented, and a seeded request samples the same alone or in a 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -209,17 +210,73 @@ def test_allowed_token_ids_are_the_only_ones_sampled() -> None:
     assert sample(PROBS.log()[None], greedy).token_ids == [2]
 
 
-def test_token_bitmask_masks_only_its_rows() -> None:
-    logits = torch.zeros(2, 70)
-    logits[:, 5] = 10.0  # the favourite, disallowed on row 0
-    mask = torch.full((2, 3), -1, dtype=torch.int32)
-    mask[0] = 0
-    mask[0, 1] = 1 << (40 - 32)  # row 0 may only sample token 40
+class FixedMasks:
+    """A ``Constraint`` over fixed per-row allowed sets, counting the masks it computes."""
+
+    def __init__(self, vocab: int, allowed: dict[int, list[int]]) -> None:
+        self.vocab, self.allowed = vocab, allowed
+        self.masked: list[int] = []
+        self.rows = sorted(allowed)
+
+    def accepts(self, row: int, token: int) -> bool:
+        return token in self.allowed[row]
+
+    def bitmask(self, rows: Sequence[int]) -> torch.Tensor:
+        self.masked += list(rows)
+        mask = torch.zeros(len(rows), (self.vocab + 31) // 32, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            for token in self.allowed[row]:
+                mask[i, token // 32] |= 1 << (token % 32)
+        return mask
+
+
+def test_a_grammar_masks_only_the_rows_whose_pick_it_rejects() -> None:
+    logits = torch.zeros(3, 70)
+    logits[:, 5] = 10.0  # the favourite: row 0's grammar rejects it, row 1's takes it
+    constraint = FixedMasks(70, {0: [40, 41], 1: [5, 40]})
+    logits[0, 41] = 1.0
     batch = SamplingBatch.build(
-        [SamplingParams(temperature=0.0)] * 2, [None] * 2, torch.device("cpu"), token_bitmask=mask
+        [SamplingParams(temperature=0.0)] * 3,
+        [None] * 3,
+        torch.device("cpu"),
+        constraint=constraint,
     )
     out = sample(logits, batch)
-    assert out.token_ids == [40, 5]
+    assert out.token_ids == [41, 5, 5]
+    assert constraint.masked == [0]
+
+
+def test_a_rejected_draw_redrawn_under_the_mask_is_the_masked_distribution() -> None:
+    n = N
+    logits = PROBS.log().expand(n, -1).contiguous()
+    constraint = FixedMasks(4, {row: [1, 2] for row in range(n)})
+    torch.manual_seed(99)
+    batch = SamplingBatch.build(
+        [SamplingParams(temperature=1.0)] * n,
+        [None] * n,
+        torch.device("cpu"),
+        constraint=constraint,
+    )
+    tokens = torch.tensor(sample(logits, batch).token_ids)
+    dist = torch.bincount(tokens, minlength=4).float() / n
+    assert dist[0] == 0.0 and dist[3] == 0.0
+    assert tv(dist, torch.tensor([0.0, 0.3, 0.15, 0.0]) / 0.45) < 0.02
+    assert 0.5 < len(constraint.masked) / n < 0.6  # only the rejected draws: 1 - 0.45
+
+
+def test_a_truncating_row_is_masked_before_its_draw() -> None:
+    # top_k=1 after the mask keeps the best allowed token; before it, the favourite (0),
+    # which the grammar rejects: masked afterwards, the draw would be from all of A.
+    logits = PROBS.log()[None].repeat(200, 1)
+    constraint = FixedMasks(4, {row: [1, 2] for row in range(200)})
+    batch = SamplingBatch.build(
+        [SamplingParams(temperature=1.0, top_k=1)] * 200,
+        [None] * 200,
+        torch.device("cpu"),
+        constraint=constraint,
+    )
+    assert sample(logits, batch).token_ids == [1] * 200
+    assert constraint.masked == list(range(200))  # once each, before the draw
 
 
 def test_a_draw_inverts_the_cumulative_distribution_at_its_uniform() -> None:
