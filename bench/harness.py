@@ -48,13 +48,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Timing:
-    """POST a streaming completion and time every SSE chunk that carries text."""
+async def stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], route: str = "/v1/completions"
+) -> Timing:
+    """POST a streaming completion (or chat completion, by ``route``) and time every SSE
+    chunk that carries text."""
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
     async with client.stream(
-        "POST", f"{url}/v1/completions", json={"model": MODEL, **body, "stream": True}
+        "POST", f"{url}{route}", json={"model": MODEL, **body, "stream": True}
     ) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -63,12 +66,22 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> T
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            stamps.append(time.perf_counter())
-            if "usage" in chunk:
+            if any(_carries_output(c) for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):  # chat chunks carry "usage": null until the last
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     itls = [b - a for a, b in itertools.pairwise(stamps)]
     return Timing(stamps[0] - start, itls, end - start, tokens)
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice holds generated output: completion text, or a chat delta
+    with content, reasoning or a tool call's fragment (not the opening role chunk)."""
+    if choice.get("text") or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta") or {}
+    return any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls"))
 
 
 def median_ms_interleaved(kinds: Mapping[str, Callable[[], None]], passes: int) -> dict[str, float]:
