@@ -103,6 +103,17 @@ def stats_body(s: SchedulerStats) -> dict[str, Any]:
             else 0.0
         ),
         "worker_threads": s.num_worker_threads,
+        "spec_decode": {
+            "num_drafts": s.spec_decode_num_drafts,
+            "num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "num_accepted_tokens_per_pos": s.spec_decode_num_accepted_tokens_per_pos,
+            "acceptance_rate": (
+                s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens
+                if s.spec_decode_num_draft_tokens
+                else 0.0
+            ),
+        },
     }
 
 

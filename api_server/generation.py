@@ -289,10 +289,17 @@ class CompletionService:
                 num_cached = max(num_cached, out.num_cached_tokens)
                 if out.prompt_logprobs is not None:
                     prompt_logprobs = out.prompt_logprobs
-                num_tokens += len(out.new_token_ids)
-                pending_ids += out.new_token_ids
-                pending_logprobs += out.logprobs or []
-                text = matcher.push(detok.push(out.new_token_ids))
+                # Token by token: a speculative step brings several, and a stop string
+                # ends the output at the token that completes it.
+                text, taken = "", 0
+                for token in out.new_token_ids:
+                    text += matcher.push(detok.push([token]))
+                    taken += 1
+                    if matcher.hit:
+                        break
+                num_tokens += taken
+                pending_ids += out.new_token_ids[:taken]
+                pending_logprobs += (out.logprobs or [])[:taken]
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
                 if finish is not None and not matcher.hit:
                     text += matcher.flush()

@@ -127,6 +127,28 @@ class _EngineCollector(Collector):
             h.add_metric([self._model], list(zip(bounds, buckets, strict=True)), t.duration_sum_s)
             yield h
 
+    def _spec_decode(self, s: SchedulerStats) -> Iterator[Metric]:
+        """vLLM's spec_decode_* counters (speculative decoding)."""
+        for name, doc, v in (
+            ("spec_decode_num_drafts", "Verifications of drafts (a request in a step).",
+             s.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", "Drafted tokens verified.",
+             s.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+             s.spec_decode_num_accepted_tokens),
+        ):  # fmt: skip
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self._model], v)
+            yield c
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by their position among a request's drafts.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self._model, str(position)], count)
+        yield per_pos
+
     def _counters(self) -> Iterator[Metric]:
         s = self._engine.stats
         labels = ["model_name"]
@@ -160,6 +182,7 @@ class _EngineCollector(Collector):
             "over the size limit.",
             s.num_dropped_connections_total,
         )
+        yield from self._spec_decode(s)
         if s.iteration_tokens_buckets:
             h = HistogramMetricFamily(
                 PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=labels

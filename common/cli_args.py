@@ -195,6 +195,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="schedule the next step while the worker runs this one, so it never waits for "
         "the engine (default: on)",
     )
+    s.add_argument(
+        "--speculative-config",
+        default=d.scheduler.speculative_config,
+        help="speculative decoding, as vLLM: JSON with method (ngram), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+        "disable_by_batch_size (docs/speculative.md)",
+    )
     h = parser.add_argument_group("server")
     h.add_argument(
         "--host", default=d.server.host, help="address the HTTP server binds (default: %(default)s)"

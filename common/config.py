@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from common.config_checks import is_private_address, require
 from common.kv_events_config import KVEventsConfig, parse_kv_events_config
+from common.messages import PoolRole
 from common.pool_config import DisaggConfig
+from common.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -153,6 +155,11 @@ class SchedulerConfig:
     # 2-core AMD host it gave +3.5-9.6% at 1 client, +2% at 8 and +-1% at 32
     # (docs/benchmarks.md).
     async_scheduling: bool = True
+    speculative_config: str | None = None  # vLLM's SpeculativeConfig as JSON
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -161,6 +168,7 @@ class SchedulerConfig:
         return 2 if self.async_scheduling else 1
 
     def __post_init__(self) -> None:
+        parse_speculative_config(self.speculative_config)  # refused here, not at first use
         require(
             self.long_prefill_token_threshold >= 0,
             f"--long-prefill-token-threshold must not be negative, got {self.long_prefill_token_threshold}",
@@ -321,6 +329,12 @@ class TandemConfig:
             not d.instance_kv.role.consumes or self.scheduler.enable_prefix_caching,
             "--kv-transfer-config kv_role kv_consumer lands pulled KV as prefix-cache blocks: "
             "it needs --enable-prefix-caching",
+        )
+        require(
+            not self.scheduler.speculative.enabled
+            or all(s.tp == 1 for s in d.pool_specs() if s.role is not PoolRole.PREFILL),
+            "--speculative-config with tensor parallelism is not served yet: "
+            "run the pool that decodes with one rank",
         )
 
     @property

@@ -298,6 +298,12 @@ class SchedulerStats(_Wire):
     # Prompt tokens still to prefill, of waiting and running requests (a prefill
     # instance's autoscaling signal).
     num_prompt_tokens_waiting: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counters): steps that verified drafts
+    # per request, drafted tokens, accepted ones, and accepted ones by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -450,6 +456,9 @@ class CachedRequestData(_Wire):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The worker keeps this many of the request's blocks before appending new_block_ids:
+    # a speculative step's rejected drafts gave the rest back. None keeps them all.
+    num_kept_blocks: int | None = None
 
 
 class SchedulerOutput(_Wire, tag=True):
@@ -467,6 +476,9 @@ class SchedulerOutput(_Wire, tag=True):
     # Tensor parallelism: what rank 0 sampled in the pool's previous step, for the other
     # ranks (which do not sample) to append to their requests before this step.
     prev_sampled: dict[str, int] = {}
+    # Speculative decoding: the proposed tokens per request, counted in its
+    # num_scheduled_tokens after its real ones; the workers verify them this step.
+    draft_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -486,6 +498,9 @@ class ModelRunnerOutput(_Wire, tag=True):
     # Per request that asked: the logprobs of the prompt tokens this step's positions
     # predict (worker/prompt_logprobs.py), in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Per request that verified drafts: how many of them were accepted. Its new tokens
+    # are those drafts, then its sampled token (the target's own at the first mismatch).
+    num_accepted_drafts: dict[str, int] = {}
 
 
 class KVTransferStatus(_Wire, tag=True):

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import msgspec
 
@@ -281,6 +282,17 @@ class EngineCore:
             num_kv_blocks_in_use=sum(kv.num_used_blocks for kv in managers),
             prefix_cache_queries_total=sum(kv.prefix_queries for kv in managers),
             prefix_cache_hits_total=sum(kv.prefix_hits for kv in managers),
+            spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in per_pool),
+            spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in per_pool),
+            spec_decode_num_accepted_tokens=sum(
+                s.spec_decode_num_accepted_tokens for s in per_pool
+            ),
+            spec_decode_num_accepted_tokens_per_pos=[
+                sum(c)
+                for c in zip_longest(
+                    *(s.spec_decode_num_accepted_tokens_per_pos for s in per_pool), fillvalue=0
+                )
+            ],
         )
 
     def transfer_stats(self) -> KVTransferStats | None:

@@ -219,6 +219,20 @@ class KVCacheManager:
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
 
+    def truncate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Give back the request's blocks past the ones holding its first ``num_tokens``
+        tokens (slots of a speculative step's rejected drafts); returns them. They hold
+        no cached hash: only blocks of verified, computed tokens are registered."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        keep = self.num_blocks_for(num_tokens)
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        for block in reversed(dropped):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        return dropped
+
     def lend(self, request_id: str, owner: str, num_blocks: int) -> list[int]:
         """Give ``owner`` references of its own to the request's first ``num_blocks``
         blocks (a lease: they outlive the request, which frees its own as usual); returns

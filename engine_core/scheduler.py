@@ -53,6 +53,7 @@ from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import RequestLimits
 from engine_core.request_queue import RequestQueue, make_queue
+from engine_core.speculation import NoSpeculation, Speculation, make_speculation
 from engine_core.steps_in_flight import StepsInFlight
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Scheduler:
         self._handoffs: list[Request] = []
         self._in_flight = StepsInFlight()
         self._stalled = False  # scheduling ahead found too few KV blocks
+        self._drafting_steps: set[int] = set()  # steps in flight that verify drafts
         self.limits = RequestLimits(model, kv, config.max_waiting_requests)
         self.waiting: RequestQueue = make_queue(config)
         self.running: list[Request] = []
@@ -104,6 +106,10 @@ class Scheduler:
         self.num_prompt_tokens_total = 0
         self._last_num_scheduled = 0
         self.iteration_tokens = IterationTokens()
+        # A prefill pool's requests leave after one token: nothing to speculate on.
+        self.speculation: Speculation = (
+            NoSpeculation() if hands_off else make_speculation(config.speculative)
+        )
 
     # ------------------------------------------------------------------ admission
 
@@ -159,7 +165,9 @@ class Scheduler:
     @property
     def can_schedule_ahead(self) -> bool:
         """Whether another step may be scheduled before the running ones are done."""
-        return not self._stalled
+        if self._stalled or self._drafting_steps:  # drafts decide where the next step starts
+            return False
+        return not self.speculation.wants_sync(len(self.running))
 
     def has_work(self) -> bool:
         return bool(
@@ -174,6 +182,8 @@ class Scheduler:
             self._stalled = False
         budget = self._step_budget
         num_scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
+        may_draft = not ahead and self.speculation.step_allows(len(self.running))
         cached_data: list[CachedRequestData] = []
         new_data: list[NewRequestData] = []
         preempted = False
@@ -193,6 +203,10 @@ class Scheduler:
                 i += 1
                 continue
             start = request.num_computed_tokens + request.num_scheduled_ahead
+            draft = self._drafts(request, n, budget) if may_draft else []
+            if draft and not self.kv.can_allocate(request.request_id, start + n + len(draft)):
+                draft = []  # drafts never preempt anyone
+            n += len(draft)
             if ahead and not self.kv.can_allocate(request.request_id, start + n):
                 self._stalled = True  # preempt once the steps in flight are done
                 break
@@ -204,13 +218,17 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # the request itself was the least urgent one left
+            kept = len(self.kv.blocks_of(request.request_id))
             new_blocks = self.kv.allocate(request.request_id, start + n)
             if request.sent_to_workers:
-                cached_data.append(CachedRequestData(request.request_id, new_blocks, start))
+                cached = CachedRequestData(request.request_id, new_blocks, start, kept)
+                cached_data.append(cached)
             else:  # accepted from another pool: this pool's workers see it first now
                 new_data.append(self._new_request_data(request))
                 request.sent_to_workers = True
             num_scheduled[request.request_id] = n
+            if draft:
+                drafts[request.request_id] = draft
             budget -= n
             i += 1
 
@@ -219,12 +237,18 @@ class Scheduler:
 
         finished, self._finished_for_workers = self._finished_for_workers, []
         self._step_id += 1
+        self.speculation.planned(ahead, bool(drafts))
         if num_scheduled:
-            self._in_flight.add(self._step_id, num_scheduled, self.requests)
+            real = {r: n - len(drafts.get(r, ())) for r, n in num_scheduled.items()}
+            self._in_flight.add(self._step_id, real, self.requests)
+        if drafts:
+            self._drafting_steps.add(self._step_id)
         self._last_num_scheduled = self._step_budget - budget
         if self._last_num_scheduled:
             self.iteration_tokens.observe(self._last_num_scheduled)
-        return SchedulerOutput(self._step_id, new_data, cached_data, num_scheduled, finished)
+        return SchedulerOutput(
+            self._step_id, new_data, cached_data, num_scheduled, finished, draft_token_ids=drafts
+        )
 
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_data: list[NewRequestData]
@@ -280,6 +304,18 @@ class Scheduler:
             request.num_prompt_tokens,
         )
 
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """Tokens to verify after the one real token of a decoding request, within the
+        budget left and short of its end (a draft past it could never be kept)."""
+        if n != 1 or request.num_tokens_to_compute != 1 or not request.first_output_sent:
+            return []  # a prefill (or its last chunk) samples its first token plainly
+        room = min(
+            budget - n,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.limits.length_limit - request.num_tokens - 1,
+        )
+        return self.speculation.drafts_for(request, room) if room > 0 else []
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders and (
@@ -311,11 +347,13 @@ class Scheduler:
         that ended while the step ran (aborted) is skipped; the blocks it held are freed
         only now that its workers are done writing them."""
         in_step, to_free = self._in_flight.done(step.step_id)
+        self._drafting_steps.discard(step.step_id)
         for request_id, request in in_step.items():
             if self.requests.get(request_id) is not request:
                 continue  # ended mid-step
-            n = step.num_scheduled_tokens[request_id]
-            request.num_computed_tokens += n
+            num_drafts = len(step.draft_token_ids.get(request_id, ()))
+            n = step.num_scheduled_tokens[request_id] - num_drafts
+            request.num_computed_tokens += n + result.num_accepted_drafts.get(request_id, 0)
             request.num_scheduled_ahead -= n
             if self.kv.enable_prefix_caching:
                 extend_block_hashes(
@@ -343,10 +381,10 @@ class Scheduler:
                 continue  # ended mid-step: its token is dropped
             request = maybe
             request.num_output_placeholders -= 1
-            request.token_ids.append(token)
-            self.num_generated_tokens_total += 1
-            reason = self.limits.stop_reason(request, token)
-            out = RequestOutput(request_id, [token], reason, logprobs=None if lp is None else [lp])
+            new_tokens, reason = self._append(request, step, result, token)
+            out = RequestOutput(
+                request_id, new_tokens, reason, logprobs=None if lp is None else [lp]
+            )
             if not request.first_output_sent:
                 out.num_cached_tokens = request.num_cached_tokens
                 out.prompt_logprobs = request.take_prompt_logprobs()
@@ -363,6 +401,28 @@ class Scheduler:
         for request_id in to_free:
             self.kv.free(request_id)
         return outputs
+
+    def _append(
+        self, request: Request, step: SchedulerOutput, result: ModelRunnerOutput, token: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append the step's new tokens (accepted drafts, then the sampled one) up to the
+        first that ends the request; a speculative step gives back its rejected slots."""
+        drafts = step.draft_token_ids.get(request.request_id, [])
+        accepted = result.num_accepted_drafts.get(request.request_id, 0)
+        if drafts:
+            self.speculation.accepted(request.request_id, len(drafts), accepted)
+        new_tokens: list[int] = []
+        reason: FinishReason | None = None
+        for t in [*drafts[:accepted], token]:
+            request.token_ids.append(t)
+            new_tokens.append(t)
+            self.num_generated_tokens_total += 1
+            reason = self.limits.stop_reason(request, t)
+            if reason is not None:
+                break
+        if drafts and reason is None:
+            self.kv.truncate(request.request_id, request.num_tokens)
+        return new_tokens, reason
 
     def _hand_off(self, request: Request) -> None:
         """The prompt is done here: the request leaves, its KV blocks stay allocated."""
@@ -417,6 +477,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self.speculation.forget(request.request_id)
         logger.info(
             "[%s] finished (%s): %d prompt (%d cached) + %d output tokens",
             request.request_id,
@@ -433,6 +494,7 @@ class Scheduler:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> SchedulerStats:
+        spec = self.speculation.counters
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + len(self.incoming),
@@ -451,4 +513,8 @@ class Scheduler:
                 max(0, r.num_prompt_tokens - r.num_computed_tokens)
                 for r in (*self.waiting, *self.running)
             ),
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from common.messages import (
     SchedulerOutput,
 )
 from worker.attention import build_metadata
+from worker.draft_verifier import SampleRow, num_accepted, rows_for
 from worker.kv_memory import SharedCaches, local_caches
 from worker.kv_transport import KVTransport, NoTransport
 from worker.models.loader import load_model, read_hf_config
@@ -50,6 +51,8 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
+    # Speculative decoding: a seeded request's generator per verified row (0: its own).
+    row_generators: list[torch.Generator | None] = field(default_factory=list)
 
 
 def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
@@ -182,8 +185,9 @@ class ModelRunner:
         spans: list[PromptSpan] = []
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             state = self.requests[request_id]
+            drafts = step.draft_token_ids.get(request_id, [])
             start = state.num_computed_tokens
-            end = start + num_tokens
+            end = start + num_tokens - len(drafts)  # the drafts follow its real tokens
             span = prompt_span(
                 request_id,
                 state.token_ids,
@@ -196,12 +200,13 @@ class ModelRunner:
             if span is not None:
                 spans.append(span)
             input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
+            input_ids.extend(drafts)
+            positions.extend(range(start, start + num_tokens))
             block_tables.append(state.block_ids)
             starts.append(start)
             lengths.append(num_tokens)
             if end == len(state.token_ids):  # caught up: the next token is due
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sample_ids.append(request_id)
         if not input_ids:
             return ModelRunnerOutput(step.step_id, [], [])
@@ -227,20 +232,13 @@ class ModelRunner:
                 for request_id, token in zip(sample_ids, shared, strict=True):
                     self.requests[request_id].token_ids.append(token)
             return ModelRunnerOutput(step.step_id, [], [])
-        states = [self.requests[r] for r in sample_ids]
-        for state in states:
-            if state.generator is not None and state.sampling_params.seed is not None:
-                # Seed by (seed, position): a sample depends on neither the batch nor
-                # whether the request was preempted and recomputed.
-                position = len(state.token_ids)
-                state.generator.manual_seed(
-                    (state.sampling_params.seed * 1_000_003 + position) % (1 << 63)
-                )
+        sample_at = self._sample_rows(sample_ids, step.draft_token_ids)
+        states = [self.requests[row.request_id] for row in sample_at]
         batch = SamplingBatch.build(
             [s.sampling_params for s in states],
-            [s.generator for s in states],
+            [row.generator for row in sample_at],
             self.device,
-            token_ids=[s.token_ids for s in states],
+            token_ids=[row.token_ids for row in sample_at],
             num_prompt_tokens=[s.num_prompt_tokens for s in states],
             vocab_size=logits.shape[-1],
             eos_token_ids=self.model_info.eos_token_ids,
@@ -249,13 +247,41 @@ class ModelRunner:
         result = sample(logits, batch, self.ops)
         if self.tp.broadcasts_samples:
             self.tp.share_samples(result.token_ids, self.device)
-        for state, token in zip(states, result.token_ids, strict=True):
-            state.token_ids.append(token)
-            if state.grammar is not None:
-                state.grammar.advance(token)
-        return ModelRunnerOutput(
-            step.step_id, sample_ids, result.token_ids, result.logprobs, prompt_logprobs=prompt_lps
-        )
+        output = ModelRunnerOutput(step.step_id, sample_ids, [], prompt_logprobs=prompt_lps)
+        row = 0
+        for request_id in sample_ids:
+            state, drafts = self.requests[request_id], step.draft_token_ids.get(request_id, [])
+            samples = result.token_ids[row : row + len(drafts) + 1]
+            accepted = num_accepted(samples, drafts)
+            if drafts:
+                output.num_accepted_drafts[request_id] = accepted
+            state.token_ids.extend(samples[: accepted + 1])  # the drafts it kept, its own
+            output.sampled_token_ids.append(samples[accepted])
+            if result.logprobs:
+                output.logprobs.append(result.logprobs[row + accepted])
+            if state.grammar is not None:  # never drafts: one token
+                state.grammar.advance(samples[0])
+            row += len(drafts) + 1
+        return output
+
+    def _sample_rows(self, sample_ids: list[str], drafts: dict[str, list[int]]) -> list[SampleRow]:
+        """One row per request, or per draft and one more (``draft_verifier.py``); seeded
+        rows seeded by (seed, position), so a sample depends on neither the batch, nor a
+        preemption and recompute, nor speculation."""
+        rows: list[SampleRow] = []
+        for request_id in sample_ids:
+            state = self.requests[request_id]
+            if not state.row_generators:
+                state.row_generators.append(state.generator)
+            rows += rows_for(
+                request_id, state.token_ids, drafts.get(request_id, []), state.row_generators
+            )
+        for row in rows:
+            seed = self.requests[row.request_id].sampling_params.seed
+            if row.generator is not None and seed is not None:
+                position = len(row.token_ids)
+                row.generator.manual_seed((seed * 1_000_003 + position) % (1 << 63))
+        return rows
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
@@ -281,5 +307,7 @@ class ModelRunner:
             )
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.num_kept_blocks is not None:  # a speculative step gave some back
+                del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens

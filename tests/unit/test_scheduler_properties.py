@@ -16,6 +16,8 @@ from engine_core.scheduler import Scheduler
 
 EOS = 0
 BLOCK = 4
+# Short windows over a 16-token vocabulary: drafts are frequent.
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
 
 
 def check_block_accounting(s: Scheduler) -> None:
@@ -45,6 +47,7 @@ def test_random_traffic_keeps_every_invariant(data: st.DataObject) -> None:
         batching=data.draw(st.sampled_from(["continuous", "continuous", "static"])),
         batch_wait_timeout_s=0.0,
         max_waiting_requests=50,
+        speculative_config=data.draw(st.sampled_from([None, SPECULATIVE]), label="speculative"),
     )
     num_blocks = data.draw(st.integers(10, 24), label="num_blocks")
     kv = KVCacheManager(num_blocks, BLOCK, data.draw(st.booleans(), label="prefix_caching"))
@@ -79,6 +82,7 @@ def test_random_traffic_keeps_every_invariant(data: st.DataObject) -> None:
         check_block_accounting(s)
 
     event(f"preempted: {min(s.num_preemptions_total, 3)}")
+    event(f"drafts verified: {min(s.speculation.counters.num_drafts, 3)}")
     event(f"prefix hits: {s.kv.prefix_hits > 0}")
     record(s.abort_requests([r for r in accepted if r in s.requests]))
     while s.has_work():
@@ -94,12 +98,17 @@ def step(s: Scheduler, data: st.DataObject, budget: int, max_seqs: int, record: 
     out = s.schedule()
     assert out.total_num_scheduled_tokens <= max(budget, 0) or not s.config.enable_chunked_prefill
     assert len(out.num_scheduled_tokens) <= max_seqs and len(s.running) <= max_seqs
-    ids, tokens = [], []
+    ids, tokens, accepted = [], [], {}
     for rid, n in out.num_scheduled_tokens.items():
         r = s.requests[rid]
-        assert n >= 1 and r.num_computed_tokens + n <= r.num_tokens
+        drafts = out.draft_token_ids.get(rid, [])
+        assert n >= 1 and r.num_computed_tokens + n - len(drafts) <= r.num_tokens
+        assert not drafts or r.num_computed_tokens + n - len(drafts) == r.num_tokens
         assert len(s.kv.blocks_of(rid)) * BLOCK >= r.num_computed_tokens + n
-        if r.num_computed_tokens + n == r.num_tokens:
+        if r.num_computed_tokens + n - len(drafts) == r.num_tokens:
             ids.append(rid)
             tokens.append(data.draw(st.integers(0, 15)))  # 0 is EOS
-    record(s.update_from_output(out, ModelRunnerOutput(out.step_id, ids, tokens)))  # type: ignore[operator]
+            if drafts:
+                accepted[rid] = data.draw(st.integers(0, len(drafts)))
+    result = ModelRunnerOutput(out.step_id, ids, tokens, num_accepted_drafts=accepted)
+    record(s.update_from_output(out, result))  # type: ignore[operator]
