@@ -11,6 +11,8 @@ Systems (each skipped with a printed reason when unavailable):
   tandem            tandem serve, continuous batching (async scheduling: the next step planned while the worker runs this one)
   tandem-sync       tandem serve --no-async-scheduling (the worker waits for the engine between steps)
   tandem-static     tandem serve --batching static
+  tandem-ngram      tandem serve --speculative-config (ngram, 4 drafts, windows 2-4); its
+                    acceptance (accepted / drafted tokens) per point in the table and JSON
   tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped;
                     --gguf-activations auto: 8-bit activations on CPUs without AVX512-BF16)
   tandem-gguf-float the same with --gguf-activations float (exact)
@@ -61,6 +63,7 @@ SYSTEMS = (
     "tandem",
     "tandem-sync",
     "tandem-static",
+    "tandem-ngram",
     "tandem-gguf",
     "tandem-gguf-float",
     "tandem-gguf-q8_0",
@@ -82,6 +85,7 @@ QUANTIZED = {
     "tandem-gguf-float": ("--quantization", "gguf", "--gguf-activations", "float"),
     "tandem-int8": ("--quantization", "int8"),
 }
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 Runner = Callable[[list[BenchRequest], int], tuple[list[RequestResult], float]]
 
 
@@ -152,6 +156,8 @@ class Systems:
         self.skipped: dict[str, str] = {}
         self.in_process: set[str] = set()  # their RSS is this process's alone
         self.paused_between_points: set[str] = set()
+        self.spec_urls: dict[str, str] = {}  # speculating systems: their /stats
+        self.spec_point: dict[str, dict[str, int]] = {}  # their counts over the last point
         self.hf_services: dict[int, tuple[float, float, list[float]]] = {}
         wanted = [s for s in args.systems.split(",") if s]
         unknown = set(wanted) - set(SYSTEMS)
@@ -199,10 +205,19 @@ class Systems:
                 tandem_process(*common, *model_flags, "--quantization", "gguf")
             )
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
-        elif system in ("tandem", "tandem-sync", "tandem-static", *QUANTIZED, *SPLIT):
+        elif system in (
+            "tandem",
+            "tandem-sync",
+            "tandem-static",
+            "tandem-ngram",
+            *QUANTIZED,
+            *SPLIT,
+        ):
             flags = common + (("--batching", "static") if system == "tandem-static" else ())
             if system == "tandem-sync":
                 flags += ("--no-async-scheduling",)
+            if system == "tandem-ngram":
+                flags += ("--speculative-config", NGRAM)
             if system in QUANTIZED:
                 flags += QUANTIZED[system]
             if system in SPLIT:
@@ -210,6 +225,8 @@ class Systems:
                 flags += ("--kv-transfer", SPLIT[system])
             url, pid = self.stack.enter_context(tandem_process(*flags))
             self.runners[system], self.pids[system] = self._http(url, hf.MODEL), pid
+            if system == "tandem-ngram":
+                self.spec_urls[system] = url
         elif system in ("llama-server", "llama-server-bf16", "llama-server-q8_0"):
             if llama.binary() is None:
                 raise FileNotFoundError("llama-server not built (run `make bench-peers`)")
@@ -322,12 +339,16 @@ def main(argv: list[str] | None = None) -> None:
                         "concurrency": c,
                         "summary": summary,
                         "by_kind": by_kind if len(kinds) > 1 else {},
+                        "spec_decode": _acceptance(systems.spec_point.get(system)),
                         "requests": [asdict(r) for r in results],
                     }
                 )
+                spec = points[-1]["spec_decode"]
                 print(
                     f"{system:>14} c={c:<3} {summary['output_tok_s']:8.1f} tok/s  "
-                    f"ITL p50 {1000 * (summary['itl_s']['p50'] or 0):6.1f} ms  errors {summary['errors']}",
+                    f"ITL p50 {1000 * (summary['itl_s']['p50'] or 0):6.1f} ms  "
+                    f"TPOT p50 {1000 * (summary['tpot_s']['p50'] or 0):6.1f} ms  errors {summary['errors']}"
+                    + (f"  acceptance {spec['acceptance']:.2f}" if spec else ""),
                     flush=True,
                 )
     host = {"before": host_before, "after": host_rates()}  # with every server stopped
@@ -346,20 +367,44 @@ def _run_point(
         order = interleaved_order(names, len(requests))
     results: dict[str, list[RequestResult]] = {system: [] for system in names}
     walls = dict.fromkeys(names, 0.0)
+    spec: dict[str, dict[str, int]] = {}
     for index, system in order:
         batch = requests if index is None else [requests[index]]
         tree = system not in systems.in_process
         paused = system in systems.paused_between_points
         if paused:
             vllm.resume(systems.pids[system])
+        before = _spec_counts(systems.spec_urls.get(system))
         with PeakRss(systems.pids[system], recursive=tree) as peak:
             got, wall = systems.runners[system](batch, c)
+        after = _spec_counts(systems.spec_urls.get(system))
+        for key in after:
+            spec.setdefault(system, dict.fromkeys(after, 0))[key] += after[key] - before[key]
         if paused:
             vllm.pause(systems.pids[system])
         peaks[system] = max(peaks.get(system, 0), peak.bytes)
         results[system] += got
         walls[system] += wall
+    systems.spec_point = spec
     return {system: (results[system], walls[system]) for system in names}
+
+
+def _acceptance(counts: dict[str, int] | None) -> dict[str, float] | None:
+    if not counts:
+        return None
+    drafted = counts["draft_tokens"]
+    return {**counts, "acceptance": counts["accepted_tokens"] / drafted if drafted else 0.0}
+
+
+def _spec_counts(url: str | None) -> dict[str, int]:
+    """A speculating system's cumulative drafted and accepted tokens (none: {})."""
+    if url is None:
+        return {}
+    spec = httpx.get(f"{url}/stats", timeout=30).json()["spec_decode"]
+    return {
+        "draft_tokens": spec["num_draft_tokens"],
+        "accepted_tokens": spec["num_accepted_tokens"],
+    }
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float, slo: Slo) -> dict
     ttfts = [r.ttft_s for r in ok]
     itls = [x for r in ok for x in r.itls_s]
     e2es = [r.e2e_s for r in ok]
+    # Per output token after the first: where a chunk carries several tokens (speculative
+    # decoding), the gap between chunks (ITL) is not the time per token.
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
 
     def pcts(values: list[float]) -> dict[str, float | None]:
         return {f"p{q}": (percentile(values, q) if values else None) for q in (50, 95, 99)}
@@ -61,6 +64,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float, slo: Slo) -> dict
         "requests_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "ttft_s": pcts(ttfts),
         "itl_s": pcts(itls),
+        "tpot_s": pcts(tpots),
         "e2e_s": pcts(e2es),
         "goodput_requests": sum(meets(r, slo) for r in results),
         "goodput_req_s": sum(meets(r, slo) for r in results) / wall_s if wall_s > 0 else 0.0,

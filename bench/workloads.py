@@ -8,7 +8,15 @@ from dataclasses import dataclass
 
 # Ordinary vocabulary ids of SmolLM2 (below are bytes and special tokens).
 _TOKEN_RANGE = (1_000, 45_000)
-WORKLOADS = ("single", "chat", "mixed", "shared-prefix", "long-prompt-interference", "long-context")
+WORKLOADS = (
+    "single",
+    "chat",
+    "mixed",
+    "shared-prefix",
+    "long-prompt-interference",
+    "long-context",
+    "copy-heavy",
+)
 
 
 @dataclass(frozen=True)
@@ -58,4 +66,45 @@ def make_requests(workload: str, num_requests: int, seed: int = 0) -> list[Bench
         return [
             BenchRequest(_tokens(rng, rng.randint(3000, 4000)), 256) for _ in range(num_requests)
         ]
+    if workload == "copy-heavy":
+        return copy_heavy(rng, num_requests)
     raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+
+
+_NAMES = ("total", "count", "items", "price", "rate", "result", "value", "index", "limit", "offset")
+_BODIES = (
+    "    {a} = 0\n    for {b} in {c}:\n        {a} += {b} * {d}\n    return {a}\n",
+    "    if {a} > {d}:\n        {b} = {a} - {d}\n    else:\n        {b} = {d} - {a}\n    return {b}\n",
+    "    {b} = [{a} for {a} in {c} if {a} % {d} == 0]\n    return len({b}), sum({b})\n",
+    "    while {a} < {d}:\n        {a} = {a} * 2 + {b}\n        {c}.append({a})\n    return {c}\n",
+)
+
+
+def copy_heavy(rng: random.Random, num_requests: int) -> list[BenchRequest]:
+    """Chat prompts of ~400-800 tokens asking for a rewrite of seeded Python code with
+    one name renamed, 256 tokens each: answers that mostly reproduce a span of the
+    prompt (what n-gram speculation is for). Tokenized by the embedded SmolLM2."""
+    from transformers import AutoTokenizer
+
+    from common.model_files import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")))
+    requests = []
+    for _ in range(num_requests):
+        target = rng.randint(400, 800)
+        code, ids = "", []
+        while True:
+            a, b, c, d = rng.sample(_NAMES, 4)
+            name = f"{rng.choice(_NAMES)}_{rng.randrange(1000)}"
+            body = rng.choice(_BODIES).format(a=a, b=b, c=c, d=d)
+            code += f"def {name}({a}, {b}, {c}, {d}):\n{body}\n\n"
+            old, new = rng.sample(_NAMES, 2)
+            ask = f"Rewrite this code with `{old}` renamed to `{new}`. Reply with the code only.\n\n{code}"
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer.encode(str(text), add_special_tokens=False)
+            if len(ids) >= target:
+                break
+        requests.append(BenchRequest(list(ids), 256))
+    return requests
