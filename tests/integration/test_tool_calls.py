@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.integration.tool_streams import read_stream
 from tests.stack import TandemStack
 
 MODEL = "smollm2-135m-instruct"
@@ -53,17 +54,7 @@ def create(client: openai.OpenAI, **kwargs: Any) -> Any:
 
 def streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[tuple[str, str]], str | None]:
     """Content, (name, arguments) per call, and the finish reason of a streamed answer."""
-    content, calls, finish = "", {}, None
-    for chunk in create(client, stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                if d.id is not None:  # the first delta names the call
-                    assert d.index not in calls and d.function and d.function.name
-                    calls[d.index] = [d.function.name, ""]
-                calls[d.index][1] += (d.function.arguments or "") if d.function else ""
-            finish = choice.finish_reason or finish
-    return content, [(n, a) for n, a in (calls[i] for i in sorted(calls))], finish
+    return read_stream(create(client, stream=True, **kwargs))
 
 
 @pytest.mark.parametrize(
