@@ -83,6 +83,10 @@ ROUTE_PATHS = frozenset(
 RENDERED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
 def stats_body(s: SchedulerStats) -> dict[str, Any]:
     total = s.num_kv_blocks_total
     return {
@@ -92,26 +96,20 @@ def stats_body(s: SchedulerStats) -> dict[str, Any]:
         "tokens_generated": s.num_generated_tokens_total,
         "num_kv_blocks_total": total,
         "num_kv_blocks_in_use": s.num_kv_blocks_in_use,
-        "cache_usage": s.num_kv_blocks_in_use / total if total else 0.0,
+        "cache_usage": _share(s.num_kv_blocks_in_use, total),
         "num_tokens_scheduled": s.num_tokens_scheduled,
         "preemptions": s.num_preemptions_total,
         "prefix_cache_queries": s.prefix_cache_queries_total,
         "prefix_cache_hits": s.prefix_cache_hits_total,
-        "prefix_cache_hit_rate": (
-            s.prefix_cache_hits_total / s.prefix_cache_queries_total
-            if s.prefix_cache_queries_total
-            else 0.0
-        ),
+        "prefix_cache_hit_rate": _share(s.prefix_cache_hits_total, s.prefix_cache_queries_total),
         "worker_threads": s.num_worker_threads,
         "spec_decode": {
             "num_drafts": s.spec_decode_num_drafts,
             "num_draft_tokens": s.spec_decode_num_draft_tokens,
             "num_accepted_tokens": s.spec_decode_num_accepted_tokens,
             "num_accepted_tokens_per_pos": s.spec_decode_num_accepted_tokens_per_pos,
-            "acceptance_rate": (
-                s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens
-                if s.spec_decode_num_draft_tokens
-                else 0.0
+            "acceptance_rate": _share(
+                s.spec_decode_num_accepted_tokens, s.spec_decode_num_draft_tokens
             ),
         },
     }

@@ -77,6 +77,7 @@ class DraftRecord:
             self.next_backoff = 1
 
     def ready(self) -> bool:
+        """Whether the request drafts in this step; a step it waits counts off its wait."""
         if self.backoff > 0:
             self.backoff -= 1
             return False

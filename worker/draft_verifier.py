@@ -39,7 +39,7 @@ def rows_for(
     generators: list[torch.Generator | None],
 ) -> list[SampleRow]:
     """The request's rows: one plain row, or one per draft plus one. ``generators``
-    (a seeded request's, one per row; index 0 its own) grows to the rows needed."""
+    (one per row; [None] for an unseeded request) grows to the rows needed."""
     rows = [SampleRow(request_id, token_ids, generators[0])]
     for j in range(1, len(drafts) + 1):
         if len(generators) <= j:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,10 +49,10 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None
+    # A seeded request's generators, one per row it samples in a step (several when it
+    # verifies drafts); [None] when unseeded.
+    generators: list[torch.Generator | None]
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
-    # Speculative decoding: a seeded request's generator per verified row (0: its own).
-    row_generators: list[torch.Generator | None] = field(default_factory=list)
 
 
 def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
@@ -271,10 +271,8 @@ class ModelRunner:
         rows: list[SampleRow] = []
         for request_id in sample_ids:
             state = self.requests[request_id]
-            if not state.row_generators:
-                state.row_generators.append(state.generator)
             rows += rows_for(
-                request_id, state.token_ids, drafts.get(request_id, []), state.row_generators
+                request_id, state.token_ids, drafts.get(request_id, []), state.generators
             )
         for row in rows:
             seed = self.requests[row.request_id].sampling_params.seed
@@ -302,7 +300,7 @@ class ModelRunner:
                 sampling_params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
+                generators=[generator],
                 grammar=grammar,
             )
         for cached in step.cached_requests:
