@@ -61,6 +61,7 @@ SOURCES = [
         "gguf_matmul.cpp",
         "gguf_q8.cpp",
         "int8_linear.cpp",
+        "int8_amx.cpp",
         "parallel_trace.cpp",
     )
 ]
@@ -74,6 +75,8 @@ HEADERS = [
     CSRC / "gguf_dot_avx2.h",
     CSRC / "attention_problem.h",
     CSRC / "parallel.h",
+    CSRC / "int8_problem.h",
+    CSRC / "int8_rows.h",
 ]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"
 # The CPU flags (as /proc/cpuinfo names them) each portable x86-64 level requires, on

@@ -1,6 +1,6 @@
 """The W8A8 kernels (``worker/csrc/int8_linear.cpp``) against an integer reference of the
-same arithmetic, on every ISA path this build holds (a native build on an AVX-512 host:
-portable, AVX2, AVX-VNNI, AVX512-VNNI; the x86-64-v3 build, run by
+same arithmetic, on every ISA path this build holds (a native build on an AMX host:
+portable, AVX2, AVX-VNNI, AVX512-VNNI, AMX-INT8; the x86-64-v3 build, run by
 ``test_the_avx2_build_passes_these_tests``: portable and AVX2):
 
 - the activations' quantization exactly as torch computes it (127 / max|x| in float32, one
@@ -22,7 +22,7 @@ from worker.native import kernel_arch, load_native_kernels
 
 kernels = load_native_kernels()
 ISAS = kernels.int8_linear_isas()
-PORTABLE, AVX2, AVX_VNNI, AVX512_VNNI = 0, 1, 2, 3
+PORTABLE, AVX2, AVX_VNNI, AVX512_VNNI, AMX_INT8 = 0, 1, 2, 3, 4
 # The epilogue's products may be reassociated by the compiler (-fassociative-math): two
 # roundings apart at most.
 EPILOGUE_ULPS = 2
@@ -54,6 +54,8 @@ def test_the_paths_built_are_those_the_build_level_allows() -> None:
     if kernel_arch() == "native":
         assert (AVX512_VNNI in ISAS) == (cpu_has("avx512_vnni") and cpu_has("avx512bw"))
         assert (AVX_VNNI in ISAS) == cpu_has("avx_vnni")
+        # Linux grants the tile data to any process that asks on a CPU that has it.
+        assert (AMX_INT8 in ISAS) == cpu_has("amx_int8")
     elif kernel_arch() == "x86-64-v3":
         assert ISAS == [PORTABLE, AVX2]
 
@@ -89,6 +91,20 @@ def test_int32_products_are_exact_on_every_path(
     xq[:, in_features:] = 0
     xq = xq.to(torch.int8)
     expected = (xq[:, :in_features].long() @ wq.long().T).int()
+    for isa in ISAS:
+        assert torch.equal(kernels.int8_matmul_int32(xq, packed, sums, isa), expected), isa
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 64, 70])
+def test_whole_tiles_of_a_served_width_are_exact(rows: int) -> None:
+    # 576 inputs (SmolLM2's width): nine whole K steps of 64 on the AMX path, no tail; 80
+    # outputs: two panel pairs and a panel alone; rows across the 16-row tile halves, the
+    # 32-row blocks and the 64-row tasks.
+    wq = weights(80, 576, rows)
+    packed, sums = kernels.int8_pack(wq), wq.sum(1, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(rows)
+    xq = torch.randint(-127, 128, (rows, 576), generator=gen).to(torch.int8)
+    expected = (xq.long() @ wq.long().T).int()
     for isa in ISAS:
         assert torch.equal(kernels.int8_matmul_int32(xq, packed, sums, isa), expected), isa
 

@@ -10,6 +10,8 @@
 // The weight is packed in panels of 16 output channels: for each group of 4 inputs, the
 // panel's 16 x 4 bytes are adjacent (the layout VPDPBUSD consumes: 4 u8 x s8 products
 // summed into each int32 lane). Each ISA path reads the same packing:
+//   - AMX-INT8 (Sapphire Rapids and later): int8_amx.cpp's tiles, 32 rows a block, where
+//     Linux grants the tile data (the packing is TDPBSSD's right operand as it is);
 //   - AVX512-VNNI (Ice Lake, Sapphire Rapids, Zen 4/5): a zmm of the panel per 4 inputs;
 //   - AVX-VNNI (Alder Lake, Sapphire Rapids and later): two ymm halves;
 //   - AVX2 (Haswell, Zen 1-3): VPMADDUBSW then VPMADDWD, with the sign trick (|x| times
@@ -18,7 +20,7 @@
 // The VNNI paths take the activations as unsigned bytes (q + 128) and subtract 128 * the
 // weight row's sum (precomputed at load), which VPDPBUSD's exact int32 sums allow.
 // Every path built is callable by its code (int8_linear_isas()), so each is tested on any
-// host that has it: a native build on an AVX-512 host holds all four.
+// host that has it: a native build on an AMX host holds all five.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -28,6 +30,8 @@
 #include <optional>
 #include <vector>
 
+#include "int8_problem.h"
+#include "int8_rows.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -37,14 +41,20 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;       // output channels per packed panel
-constexpr int64_t kGroup = 4;        // inputs per VNNI group
-constexpr int64_t kBlockPanels = 4;  // panels computed together (one broadcast, four sums)
-constexpr int64_t kBlock = kBlockPanels * kPanel;
+using tandem::int8::kBlock;
+using tandem::int8::kBlockPanels;
+using tandem::int8::kGroup;
+using tandem::int8::kPanel;
+using tandem::int8::panel_weights;
+using tandem::int8::Problem;
+
 constexpr int64_t kRowBlock = 4;     // input rows computed together over a block
 constexpr int64_t kRowChunk = 64;    // input rows per task (with one block of panels)
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmx = 4 };
+
+// Rows per block: the AMX path's two 16-row tiles, the vector paths' register block.
+int64_t row_block(int64_t isa) { return isa == kAmx ? tandem::int8::kAmxRows : kRowBlock; }
 
 int64_t padded(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
 
@@ -59,25 +69,11 @@ std::vector<int64_t> isas_built() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   isas.push_back(kAvx512Vnni);
 #endif
+  if (tandem::int8::amx_int8_ready()) isas.push_back(kAmx);
   return isas;
 }
 
 bool takes_unsigned(int64_t isa) { return isa == kAvxVnni || isa == kAvx512Vnni; }
-
-// The operands of one call: quantized rows [m, kp] (kp: in padded to 4, zeros past in; for
-// the VNNI paths offset to unsigned, q + 128), the packed weight and its row sums.
-struct Problem {
-  const int8_t* xq;
-  const int8_t* packed;
-  const int32_t* sums;
-  int64_t kp;  // padded inputs
-  int64_t n;   // outputs
-};
-
-
-inline const int8_t* panel_weights(const Problem& p, int64_t panel) {
-  return p.packed + panel * p.kp * kPanel;
-}
 
 inline int32_t group_of(const int8_t* x) {
   int32_t four;
@@ -173,8 +169,10 @@ void block_zmm_rows(const Problem& p, int64_t row, int64_t panel0, int64_t panel
 
 // acc for rows [row, row + rows) by panels [panel0, panel0 + panels), on path `isa`.
 void run_block(int64_t isa, const Problem& p, int64_t row, int64_t rows, int64_t panel0,
-               int64_t panels, int32_t* acc) {
+               int64_t panels, int32_t* acc, uint64_t call) {
   switch (isa) {
+    case kAmx:
+      return tandem::int8::amx_block(p, row, rows, panel0, panels, acc, call);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case kAvx512Vnni:
       switch (rows) {
@@ -228,16 +226,18 @@ void for_each_block(const at::Tensor& xq, const at::Tensor& packed, const at::Te
   const int64_t panels = packed.size(0);
   const int64_t blocks = (panels + kBlockPanels - 1) / kBlockPanels;
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t rows_per_block = row_block(isa);
+  const uint64_t call = isa == kAmx ? tandem::int8::amx_begin_call() : 0;
   tandem::parallel_steal(chunks * blocks, [&](int64_t task, int64_t /*next*/) {
     const int64_t chunk = task / blocks, block = task % blocks;
     const int64_t panel0 = block * kBlockPanels;
     const int64_t count = std::min(kBlockPanels, panels - panel0);
     const int64_t first = panel0 * kPanel, outputs = std::min(count * kPanel, p.n - first);
     const int64_t end = std::min(m, (chunk + 1) * kRowChunk);
-    int32_t acc[kRowBlock * kBlock];
-    for (int64_t row = chunk * kRowChunk; row < end; row += kRowBlock) {
-      const int64_t n_rows = std::min(kRowBlock, end - row);
-      run_block(isa, p, row, n_rows, panel0, count, acc);
+    alignas(64) int32_t acc[tandem::int8::kAmxRows * kBlock];
+    for (int64_t row = chunk * kRowChunk; row < end; row += rows_per_block) {
+      const int64_t n_rows = std::min(rows_per_block, end - row);
+      run_block(isa, p, row, n_rows, panel0, count, acc, call);
       if (takes_unsigned(isa))
         for (int64_t j = 0; j < outputs; ++j)
           for (int64_t r = 0; r < n_rows; ++r) acc[r * kBlock + j] -= 128 * p.sums[first + j];
@@ -257,13 +257,6 @@ void check_weight(const at::Tensor& packed, const at::Tensor& sums, int64_t in_f
                   padded(sums.size(0), kPanel) / kPanel == packed.size(0),
               "int8_linear: weight_sums must be int32 [out] for the packed weight's ",
               packed.size(0), " panels");
-}
-
-template <typename T>
-float row_amax(const T* x, int64_t k) {
-  float top = 0.f;
-  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(static_cast<float>(x[i])));
-  return top;
 }
 
 }  // namespace
@@ -303,18 +296,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
     using T = decltype(zero);
     const T* src = rows.data_ptr<T>();
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        const T* xr = src + r * k;
-        const float top = row_amax(xr, k);
-        // 127 / max in float32, then one product and one rounding a value (nearest even,
-        // as std::nearbyint in the default mode and torch.round).
-        const float inv = top > 0.f ? 127.f / top : 0.f;
-        ss[r] = top / 127.f;
-        for (int64_t i = 0; i < k; ++i) {
-          const float v = std::nearbyint(static_cast<float>(xr[i]) * inv);
-          qs[r * kp + i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
-        }
-      }
+      for (int64_t r = first; r < last; ++r)
+        ss[r] = tandem::int8::quantize_row(src + r * k, k, qs + r * kp) / 127.f;
     });
   });
   return {q, scales};
@@ -364,15 +347,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
     T* o = out.data_ptr<T>();
     for_each_block(xq, packed, weight_sums, isa, [&](int64_t row, int64_t rows, int64_t first,
                                                      int64_t count, const int32_t* acc) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float scale = sx[row + r];
-        T* dst = o + (row + r) * n + first;
-        for (int64_t j = 0; j < count; ++j) {
-          float y = static_cast<float>(acc[r * kBlock + j]) * (scale * sw[first + j]);
-          if (b != nullptr) y += b[first + j];
-          dst[j] = static_cast<T>(y);
-        }
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        tandem::int8::dequantize_row(acc + r * kBlock, count, sx[row + r], sw + first,
+                                     b != nullptr ? b + first : nullptr, o + (row + r) * n + first);
     });
   });
   return out;

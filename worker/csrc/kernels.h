@@ -220,7 +220,8 @@ class DecodeRowsPlan {
 
 // W8A8 projections (int8_linear.cpp): int8 weights per output channel in int8_pack's panels,
 // int8 activations per row quantized in the call, int32 sums, a float epilogue. `isa` picks
-// one of int8_linear_isas() (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI; -1 the best).
+// one of int8_linear_isas() (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI, 4 AMX-INT8; -1
+// the best).
 std::vector<int64_t> int8_linear_isas();
 at::Tensor int8_pack(const at::Tensor& qweight);
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);

@@ -73,7 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(AVX512-BF16, Q4/Q5 formats, 1-2 rows) rather than converting them to float32",
         py::arg("type"), py::arg("rows"));
   m.def("int8_linear_isas", &int8_linear_isas,
-        "the int8 kernels' ISA paths built here (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI)");
+        "the int8 kernels' ISA paths built here (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI, "
+        "4 AMX-INT8)");
   m.def("int8_pack", &int8_pack, "an int8 [out, in] weight in int8_linear's panels",
         py::arg("qweight"));
   m.def("int8_quantize_rows", &int8_quantize_rows,

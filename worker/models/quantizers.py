@@ -127,7 +127,9 @@ class Int8PerChannel:
                 raise ValueError(f"--quantization int8 smooths decoder models, not {type(model)}")
             smooth_quant.smooth(model, smooth_quant.calibration_ids(self.model_dir))
         count = quantize_linears_int8(model, native.kernels)
-        isa = ("portable", "AVX2", "AVX-VNNI", "AVX512-VNNI")[native.kernels.int8_linear_isas()[-1]]
+        isa = ("portable", "AVX2", "AVX-VNNI", "AVX512-VNNI", "AMX-INT8")[
+            native.kernels.int8_linear_isas()[-1]
+        ]
         logger.info("quantized %d projections to int8 per channel (W8A8 on %s)", count, isa)
 
 
