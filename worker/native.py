@@ -282,6 +282,8 @@ class NativeKernels(Protocol):
         gguf_packed: list[torch.Tensor],
         gguf_segments: list[int],
         gguf_q8: bool,
+        int8_sums: list[torch.Tensor],
+        int8_scales: list[torch.Tensor],
         gemma_norms: bool,
         qk_norms: bool,
         sandwich_norms: bool,

@@ -228,6 +228,8 @@ def call_decode_rows(
         [torch.empty(0, dtype=torch.uint8)] * len(gguf_types or []),
         [1] * len(gguf_types or []),
         False,  # float activations
+        [],  # no int8 projections: no row sums,
+        [],  # no scales
         False,
         qk_norms,
         False,

@@ -5,7 +5,8 @@
 // --quantization gguf's projections on gguf_linear, up to the rows every QuantLinear fuses
 // (the caller's limit), with the float32 biases QuantLinear holds (Qwen2's q/k/v):
 // gguf_linear's float32 product, bias added, is rounded to bfloat16 here, as
-// QuantLinear.forward's .to() rounds it.
+// QuantLinear.forward's .to() rounds it; or a step of any rows of --quantization int8's
+// projections on int8_linear, its rows quantized in each call as Int8Linear.forward's are.
 //
 // At one row a layer's four projections stream ~7 MB of weights in ~250 us, and the ops
 // between them compute almost nothing; through ATen each of them still made a tensor (or
@@ -70,6 +71,15 @@ struct GgufWeight {
   bool q8;  // 8-bit activations (gguf_linear_q8)
 };
 
+// One projection's int8 weight (int8_pack's panels, row sums and scales) and its float32
+// bias (null where none).
+struct Int8Weight {
+  const at::Tensor* packed;
+  const at::Tensor* sums;
+  const at::Tensor* scales;
+  const at::Tensor* bias;
+};
+
 // y = x W^T (+ b) for n rows, on the kernel for the weights' layout.
 struct Projection {
   bool gemm;  // bf16_gemm_pack's layout, on bf16_gemm; else the plain [out, in] one, on the GEMV
@@ -112,6 +122,15 @@ struct Projection {
     }
   }
 };
+
+// Int8Linear.forward for n bfloat16 rows: int8_linear's rows, straight into y.
+void project_int8(const Bf16* x, const Int8Weight& w, Bf16* y, int64_t n, int64_t out,
+                  int64_t in) {
+  const at::Tensor rows = at::from_blob(const_cast<Bf16*>(x), {n, in}, at::kBFloat16);
+  at::Tensor into = at::from_blob(y, {n, out}, at::kBFloat16);
+  int8_linear_into(rows, *w.packed, *w.sums, *w.scales,
+                   w.bias != nullptr ? w.bias->data_ptr<float>() : nullptr, -1, into);
+}
 
 // Adds each phase's wall time on the calling thread to seconds[phase] (DecodePhase), where
 // the caller asked for it; otherwise reads no clock.
@@ -177,7 +196,7 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& ids, const at::Tensor& slots,
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1,
               "decode_rows: token ids must be contiguous int64 [n]");
   const int64_t n = ids.size(0);
-  TORCH_CHECK(n >= 1 && (gguf || n <= decode_rows_max_rows(project.gemm)),
+  TORCH_CHECK(n >= 1 && (gguf || st.int8 || n <= decode_rows_max_rows(project.gemm)),
               "decode_rows takes 1 to ", decode_rows_max_rows(project.gemm), " rows",
               project.gemm ? " on the GEMM" : " on the GEMV", ", got ", n);
   TORCH_CHECK(static_cast<int64_t>(cos.size()) == st.num_ropes &&
@@ -256,11 +275,15 @@ at::Tensor DecodeRowsPlan::run(const at::Tensor& ids, const at::Tensor& slots,
         const size_t first = first_segment[at];
         project(x_rows,
                 GgufWeight{&st.projections[first], &st.gguf_packed[first], &st.gguf_types[first],
-                           first_segment[at + 1] - first, biased ? w.gguf_bias[i] : nullptr,
+                           first_segment[at + 1] - first, biased ? w.float_bias[i] : nullptr,
                            st.gguf_q8},
                 y, n, out, in);
-      }
-      else {
+      } else if (st.int8) {
+        project_int8(x_rows,
+                     Int8Weight{&st.projections[at], &st.int8_sums[at], &st.int8_scales[at],
+                                biased ? w.float_bias[i] : nullptr},
+                     y, n, out, in);
+      } else {
         const std::optional<Bf16GemmNext> then = project.gemm ? after(i) : std::nullopt;
         project(x_rows, w.weight[i], biased ? w.bias[i] : nullptr, y, n, out, in,
                 then ? &*then : nullptr);

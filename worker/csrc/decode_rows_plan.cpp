@@ -18,7 +18,8 @@ DecodeRowsPlan::DecodeRowsPlan(
     std::vector<at::Tensor> norms, std::vector<at::Tensor> projections, bool gemm,
     std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> gguf_types,
     std::vector<at::Tensor> gguf_packed, const std::vector<int64_t>& gguf_segments,
-    bool gguf_q8, bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
+    bool gguf_q8, std::vector<at::Tensor> int8_sums, std::vector<at::Tensor> int8_scales,
+    bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
     std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
     std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t block_size, double eps, double scale, at::Tensor embedding, double embed_scale,
@@ -30,6 +31,8 @@ DecodeRowsPlan::DecodeRowsPlan(
   st.biases = std::move(biases);
   st.gguf_types = std::move(gguf_types);
   st.gguf_packed = std::move(gguf_packed);
+  st.int8_sums = std::move(int8_sums);
+  st.int8_scales = std::move(int8_scales);
   st.kv_caches = std::move(kv_caches);
   st.windows = std::move(windows);
   st.rope_of_layer = std::move(rope_of_layer);
@@ -45,6 +48,12 @@ DecodeRowsPlan::DecodeRowsPlan(
   const size_t norms_per_layer = decode_rows_norms_per_layer(qk_norms, sandwich_norms);
   st.act = activation_of(activation);
   const bool gguf = st.gguf = !st.gguf_types.empty();
+  // int8 projections: projections[p] int8_pack's weight, int8_sums[p] and int8_scales[p]
+  // its row sums and scales.
+  const bool int8 = st.int8 = !st.int8_scales.empty();
+  TORCH_CHECK(!int8 || (!gguf && !gemm && st.int8_sums.size() == layers * kLinearsPerLayer &&
+                        st.int8_scales.size() == layers * kLinearsPerLayer),
+              "decode_rows: int8 projections take row sums and scales each, not GGUF nor the GEMM");
   TORCH_CHECK(layers > 0 && norms_.size() == layers * norms_per_layer &&
                   (gguf || projections_.size() == layers * kLinearsPerLayer) &&
                   st.biases.size() == layers * kBiasesPerLayer && st.windows.size() == layers &&
@@ -74,6 +83,7 @@ DecodeRowsPlan::DecodeRowsPlan(
               ", not the ", projections_.size(), " segments given");
   // Projection p's outputs (its segments' together).
   const auto outputs = [&](size_t p) {
+    if (int8) return st.int8_scales[p].size(0);
     if (!gguf) return projections_[p].size(0);
     int64_t total = 0;
     for (size_t s = first_segment[p]; s < first_segment[p + 1]; ++s)
@@ -81,8 +91,9 @@ DecodeRowsPlan::DecodeRowsPlan(
     return total;
   };
   TORCH_CHECK(!gemm || has_bf16_gemm(), "decode_rows: this build has no bf16_gemm");
-  // The raw-row kernels are built for AVX512-BF16 hosts, where the GEMV is.
-  TORCH_CHECK(gemm || has_bf16_gemv(), "decode_rows: this build has no GEMV");
+  // The raw-row kernels are built for AVX512-BF16 hosts, where the GEMV is (int8_linear
+  // runs on any).
+  TORCH_CHECK(gemm || int8 || has_bf16_gemv(), "decode_rows: this build has no GEMV");
   TORCH_CHECK(is_bf16(norms_[0]) && norms_[0].dim() == 1,
               "decode_rows: a norm's weight must be contiguous bfloat16 [hidden]");
   const int64_t hidden = st.hidden = norms_[0].size(0);
@@ -112,6 +123,12 @@ DecodeRowsPlan::DecodeRowsPlan(
                     outputs(p), " outputs, not ", out);
         continue;
       }
+      if (int8) {
+        TORCH_CHECK(int8_holds(projections_[p], st.int8_sums[p], st.int8_scales[p], out, in),
+                    "decode_rows: layer ", l, " int8 weight ", i, " must be int8_pack's [", out,
+                    ", ", in, "] with int32 row sums and float32 scales [", out, "]");
+        continue;
+      }
       const at::Tensor& w = projections_[p];
       TORCH_CHECK(gemm ? bf16_gemm_holds(w, out, in)
                        : is_bf16(w) && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
@@ -121,14 +138,16 @@ DecodeRowsPlan::DecodeRowsPlan(
     }
     for (size_t i = 0; i < kBiasesPerLayer; ++i) {
       const auto& b = st.biases[l * kBiasesPerLayer + i];
-      // QuantLinear keeps its bias in float32 (gguf_linear adds it to the float32 product).
-      const at::ScalarType dtype = gguf ? at::kFloat : at::kBFloat16;
+      // QuantLinear and Int8Linear keep their biases in float32 (their kernels add them to
+      // the float32 product).
+      const bool float_bias = gguf || int8;
+      const at::ScalarType dtype = float_bias ? at::kFloat : at::kBFloat16;
       TORCH_CHECK(!b || (b->scalar_type() == dtype && b->is_contiguous() &&
                          b->numel() == shapes[i][0]),
-                  "decode_rows: a bias must be contiguous [out], in float32 for GGUF "
+                  "decode_rows: a bias must be contiguous [out], in float32 for GGUF and int8 "
                   "projections, else in bfloat16");
-      weights[l].bias[i] = b && !gguf ? b->data_ptr<Bf16>() : nullptr;
-      weights[l].gguf_bias[i] = b && gguf ? &*b : nullptr;
+      weights[l].bias[i] = b && !float_bias ? b->data_ptr<Bf16>() : nullptr;
+      weights[l].float_bias[i] = b && float_bias ? &*b : nullptr;
     }
     for (size_t i = 0; i < norms_per_layer; ++i) {
       const at::Tensor& norm = norms_[l * norms_per_layer + i];

@@ -23,7 +23,8 @@ struct LayerWeights {
   const Bf16* norm[kMaxNormsPerLayer];  // by NormSlot
   const Bf16* weight[kLinearsPerLayer];
   const Bf16* bias[kBiasesPerLayer];
-  const at::Tensor* gguf_bias[kBiasesPerLayer];  // GGUF projections': float32, or null
+  // GGUF and int8 projections' biases: float32, or null
+  const at::Tensor* float_bias[kBiasesPerLayer];
 };
 
 }  // namespace tandem::decode_rows
@@ -35,6 +36,7 @@ struct DecodeRowsPlan::State {
   using Bf16 = tandem::decode_rows::Bf16;
 
   std::vector<at::Tensor> norms, projections, gguf_packed, kv_caches;
+  std::vector<at::Tensor> int8_sums, int8_scales;  // per projection where int8
   std::vector<std::optional<at::Tensor>> biases;
   std::vector<int64_t> gguf_types, windows, rope_of_layer;
   std::vector<size_t> first_segment;  // projection p's segments: [first_segment[p], [p + 1])
@@ -45,6 +47,7 @@ struct DecodeRowsPlan::State {
   int64_t vocab = 0;
   bool gemm = false;  // bf16_gemm_pack's layout, on bf16_gemm; else the GEMV's plain one
   bool gguf_q8 = false;  // GGUF projections with 8-bit activations (gguf_linear_q8)
+  bool int8 = false;  // int8_pack's projections (--quantization int8), on int8_linear
   bool gguf = false, gemma_norms = false, qk_norms = false, sandwich_norms = false;
   Activation act = Activation::kSilu;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0, hidden = 0, inter = 0;

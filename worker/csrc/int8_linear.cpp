@@ -263,6 +263,16 @@ void check_weight(const at::Tensor& packed, const at::Tensor& sums, int64_t in_f
 
 std::vector<int64_t> int8_linear_isas() { return isas_built(); }
 
+bool int8_holds(const at::Tensor& packed, const at::Tensor& weight_sums,
+                const at::Tensor& weight_scales, int64_t out, int64_t in) {
+  return packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous() &&
+         packed.size(0) == padded(out, kPanel) / kPanel &&
+         packed.size(1) == padded(in, kGroup) * kPanel && weight_sums.scalar_type() == at::kInt &&
+         weight_sums.is_contiguous() && weight_sums.numel() == out &&
+         weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
+         weight_scales.numel() == out;
+}
+
 at::Tensor int8_pack(const at::Tensor& qweight) {
   tandem::check_cpu("int8_pack", qweight);
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2,
@@ -337,11 +347,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(bias->numel() == n, "int8_linear: bias must have ", n, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const auto [xq, x_scales] = int8_quantize_rows(x);
   at::Tensor out = at::empty({m, n}, x.options());
+  int8_linear_into(x, packed, weight_sums, weight_scales,
+                   bias32.defined() ? bias32.data_ptr<float>() : nullptr, isa, out);
+  return out;
+}
+
+void int8_linear_into(const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& weight_sums, const at::Tensor& weight_scales,
+                      const float* bias, int64_t isa, at::Tensor& out) {
+  const int64_t n = weight_sums.size(0);
+  const auto [xq, x_scales] = int8_quantize_rows(x);
   const float* sx = x_scales.data_ptr<float>();
   const float* sw = weight_scales.data_ptr<float>();
-  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const float* b = bias;
   tandem::dispatch_float_types(x.scalar_type(), "int8_linear", [&](auto zero) {
     using T = decltype(zero);
     T* o = out.data_ptr<T>();
@@ -352,5 +371,4 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                      b != nullptr ? b + first : nullptr, o + (row + r) * n + first);
     });
   });
-  return out;
 }

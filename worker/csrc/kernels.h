@@ -200,7 +200,9 @@ class DecodeRowsPlan {
   DecodeRowsPlan(std::vector<at::Tensor> norms, std::vector<at::Tensor> projections, bool gemm,
                  std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> gguf_types,
                  std::vector<at::Tensor> gguf_packed, const std::vector<int64_t>& gguf_segments,
-                 bool gguf_q8, bool gemma_norms, bool qk_norms, bool sandwich_norms, int64_t activation,
+                 bool gguf_q8, std::vector<at::Tensor> int8_sums,
+                 std::vector<at::Tensor> int8_scales, bool gemma_norms, bool qk_norms,
+                 bool sandwich_norms, int64_t activation,
                  std::vector<at::Tensor> kv_caches, std::vector<int64_t> windows,
                  std::vector<int64_t> rope_of_layer, int64_t heads, int64_t kv_heads,
                  int64_t head_dim, int64_t block_size, double eps, double scale,
@@ -230,6 +232,14 @@ at::Tensor int8_matmul_int32(const at::Tensor& xq, const at::Tensor& packed,
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& weight_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, int64_t isa);
+// int8_linear into `out` ([rows, out], x's dtype, contiguous), the float32 bias (or null)
+// as a pointer: decode_rows' int8 projections, operands checked once by its plan.
+void int8_linear_into(const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& weight_sums, const at::Tensor& weight_scales,
+                      const float* bias, int64_t isa, at::Tensor& out);
+// Whether int8_pack's [panels, padded in * 16] weight holds `out` x `in` (decode_rows' plan).
+bool int8_holds(const at::Tensor& packed, const at::Tensor& weight_sums,
+                const at::Tensor& weight_scales, int64_t out, int64_t in);
 
 // tandem::parallel_steal over tasks that wait costs_us[i] microseconds each: per task, how
 // many times it ran and the thread that ran it (tests only).

@@ -97,12 +97,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gemm"));
   py::class_<DecodeRowsPlan>(m, "DecodeRowsPlan",
                              "decode_layers on raw rows for one model's steps: any rows on "
-                             "bf16_gemm, one or two on the GEMV, or GGUF projections on "
-                             "gguf_linear; its weights and caches checked once")
+                             "bf16_gemm, one or two on the GEMV, GGUF projections on "
+                             "gguf_linear, or int8 ones on int8_linear; its weights and "
+                             "caches checked once")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, bool,
                     std::vector<std::optional<at::Tensor>>, std::vector<int64_t>,
-                    std::vector<at::Tensor>, const std::vector<int64_t>&, bool, bool, bool, bool,
-                    int64_t, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<at::Tensor>, const std::vector<int64_t>&, bool,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, bool, bool, bool, int64_t, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double,
                     at::Tensor, double, at::Tensor>())
       .def("run", &DecodeRowsPlan::run,

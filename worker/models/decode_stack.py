@@ -14,7 +14,8 @@ AVX512-BF16 GEMM packs every projection (AMD hosts without AMX), steps of one or
 on the GEMV over plain weights, and GGUF steps of as many rows as every ``QuantLinear``
 fuses (``gguf_linear``, on AVX512-BF16 hosts, Qwen2's biases too, and projections whose
 parts are blocks of different types, several segments, as Q4_K_M files make q, k and v:
-``decode_layers`` takes one segment only). It runs the same kernels on
+``decode_layers`` takes one segment only), and ``--quantization int8`` steps of any rows on
+any host (every projection an ``Int8Linear``, on ``int8_linear``). It runs the same kernels on
 raw rows, with no tensor made per op (but a GGUF projection's product), which took ~1 ms
 of a ~10 ms step at one row and ~0.5 ms of ~15 at 32. ``decode_rows`` also runs the layers
 of other shapes: Qwen3's q/k norms, and Gemma3's (1 + w) norms, q/k norms, sandwich norms,
@@ -26,12 +27,14 @@ layers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
 
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderArgs, DecoderLayer, DecoderLM
+from worker.models.int8_linear import Int8Linear
 from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
 from worker.native import DecodeRowsPlan
@@ -78,6 +81,11 @@ class DecodeStack:
         self.gguf_blocks: list[torch.Tensor] = []
         self.gguf_packed: list[torch.Tensor] = []
         self.gguf_segment_types: list[int] = []
+        # decode_rows' int8 projections (--quantization int8): each one's packed weight, row
+        # sums and scales
+        self.int8_packed: list[torch.Tensor] = []
+        self.int8_sums: list[torch.Tensor] = []
+        self.int8_scales: list[torch.Tensor] = []
         self.biases: list[torch.Tensor | None] = []
         gemv_rows: list[int] = []  # per projection: the rows its GEMV takes (0: none)
         fused_max_rows: list[int] = []  # per QuantLinear: the most rows it fuses
@@ -100,7 +108,17 @@ class DecodeStack:
                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
             for linear in linears:
-                if isinstance(linear, QuantLinear):
+                if isinstance(linear, Int8Linear):
+                    self.int8_packed.append(linear.packed)
+                    self.int8_sums.append(linear.weight_sums)
+                    self.int8_scales.append(linear.weight_scales)
+                    # decode_layers' arguments: unused (it takes no int8 projection)
+                    self.plain.append(None)
+                    self.packed.append(unused)
+                    self.packings.append(ONEDNN_CODE)
+                    self.gguf_types.append(-1)
+                    gemv_rows.append(0)
+                elif isinstance(linear, QuantLinear):
                     fused_max_rows.append(linear.fused_max_rows)
                     q8_activations.add(linear.q8_activations)
                     self.gguf_segments.append(len(linear.segments))
@@ -131,21 +149,35 @@ class DecodeStack:
         # many as every QuantLinear fuses where every projection is GGUF, else as many as
         # every projection's GEMV takes too.
         self.raw_gguf = all(t >= 0 for t in self.gguf_types)
-        # (a GGUF projection's packing code is a placeholder, never the GEMM's)
+        # int8 projections: decode_rows takes steps of any rows, on any host (int8_linear)
+        self.raw_int8 = len(self.int8_packed) == len(self.packings)
+        # (a GGUF or int8 projection's packing code is a placeholder, never the GEMM's)
         self.raw_gemm = all(code == BF16_GEMM_CODE for code in self.packings) and not any(gemv_rows)
         raw_limit = ops.kernels.decode_rows_max_rows(self.raw_gemm)
-        if self.raw_gguf:  # decode_rows takes GGUF steps where it takes any (AVX512-BF16)
+        if self.raw_int8:
+            self.raw_rows = sys.maxsize
+        elif self.raw_gguf:  # decode_rows takes GGUF steps where it takes any (AVX512-BF16)
             self.raw_rows = self.gguf_fused_max_rows if raw_limit else 0
         else:
             self.raw_rows = raw_limit if self.raw_gemm else min([raw_limit, *gemv_rows])
-        raw = self.gguf_blocks if self.raw_gguf else self.packed if self.raw_gemm else self.plain
+        raw = (
+            self.int8_packed
+            if self.raw_int8
+            else self.gguf_blocks
+            if self.raw_gguf
+            else self.packed
+            if self.raw_gemm
+            else self.plain
+        )
         self.raw_weights = [w for w in raw if w is not None] if self.raw_rows else []
         # decode_rows' GGUF arguments: each segment's type and repacked quants, each
         # projection's segment count.
         self.raw_gguf_types = self.gguf_segment_types if self.raw_gguf else []
         self.raw_gguf_packed = self.gguf_packed if self.raw_gguf else []
         self.raw_gguf_segments = self.gguf_segments if self.raw_gguf else []
-        self.layers_path = self.llama_shaped and all(n == 1 for n in self.gguf_segments)
+        self.layers_path = (
+            self.llama_shaped and all(n == 1 for n in self.gguf_segments) and not self.int8_packed
+        )
 
     @staticmethod
     def build(model: DecoderLM, ops: Ops) -> DecodeStack | None:
@@ -162,7 +194,7 @@ class DecodeStack:
             m
             for layer in layers
             for m in layer.modules()
-            if isinstance(m, PackedLinear | QuantLinear)
+            if isinstance(m, PackedLinear | QuantLinear | Int8Linear)
         ]
         if len(projections) != 4 * len(layers):
             return None  # not packed for oneDNN (no oneDNN)
@@ -240,6 +272,8 @@ class DecodeStack:
                 self.raw_gguf_packed,
                 self.raw_gguf_segments,
                 self.gguf_q8,
+                self.int8_sums if self.raw_int8 else [],
+                self.int8_scales if self.raw_int8 else [],
                 self.gemma_norms,
                 self.qk_norms,
                 self.sandwich_norms,
@@ -277,7 +311,9 @@ def llama_shaped(args: DecoderArgs) -> bool:
     )
 
 
-def _projection(module: object) -> PackedLinear | QuantLinear:
-    if not isinstance(module, PackedLinear | QuantLinear):
-        raise TypeError(f"expected a PackedLinear or QuantLinear, got {type(module).__name__}")
+def _projection(module: object) -> PackedLinear | QuantLinear | Int8Linear:
+    if not isinstance(module, PackedLinear | QuantLinear | Int8Linear):
+        raise TypeError(
+            f"expected a PackedLinear, QuantLinear or Int8Linear, got {type(module).__name__}"
+        )
     return module
