@@ -110,10 +110,12 @@ def test_whole_tiles_of_a_served_width_are_exact(rows: int) -> None:
 
 
 def test_extreme_values_neither_saturate_nor_wrap() -> None:
-    # Every product +-127 * 127: AVX2's int16 pair sums at their largest (32,258), the VNNI
-    # paths' unsigned offset at both ends.
+    # Every product +-127 * 127 or 128: AVX2's int16 pair sums at their largest (32,512),
+    # the VNNI paths' unsigned offset at both ends; weights of -128 (compressed-tensors'
+    # symmetric rounding makes them) against rows of both signs.
     wq = torch.full((33, 1540), 127, dtype=torch.int8)
     wq[::2] = -127
+    wq[1::4] = -128
     xq = torch.full((5, 1540), -127, dtype=torch.int8)
     xq[1] = 127
     packed, sums = kernels.int8_pack(wq), wq.sum(1, dtype=torch.int32)

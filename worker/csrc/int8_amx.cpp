@@ -88,9 +88,9 @@ void tiles(const Problem& p, const int8_t* x, int64_t steps, const int8_t* wa, c
     // steps before their tiles load.
     if (s + kAhead < steps)
       for (int64_t line = 0; line < kTileRows; ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(wa + (s + kAhead) * kStep * kPanel + line * kStep), _MM_HINT_T0);
-        if (kTwoPanels)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + (s + kAhead) * kStep * kPanel + line * kStep), _MM_HINT_T0);
+        const int64_t at = (s + kAhead) * kStep * kPanel + line * kStep;
+        _mm_prefetch(reinterpret_cast<const char*>(wa + at), _MM_HINT_T0);
+        if (kTwoPanels) _mm_prefetch(reinterpret_cast<const char*>(wb + at), _MM_HINT_T0);
       }
     _tile_loadd(4, x + s * kStep, x_stride);
     if (kTwoHalves) _tile_loadd(5, x1 + s * kStep, x_stride);

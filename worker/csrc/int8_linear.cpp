@@ -14,8 +14,10 @@
 //     Linux grants the tile data (the packing is TDPBSSD's right operand as it is);
 //   - AVX512-VNNI (Ice Lake, Sapphire Rapids, Zen 4/5): a zmm of the panel per 4 inputs;
 //   - AVX-VNNI (Alder Lake, Sapphire Rapids and later): two ymm halves;
-//   - AVX2 (Haswell, Zen 1-3): VPMADDUBSW then VPMADDWD, with the sign trick (|x| times
-//     sign(x) * w) so no int16 pair sum can saturate (127 * 127 * 2 < 32767);
+//   - AVX2 (Haswell, Zen 1-3): VPMADDUBSW then VPMADDWD, with the sign trick (|w| times
+//     sign(w) * x) so no int16 pair sum can saturate (128 * 127 * 2 < 32767): rows are in
+//     [-127, 127], weights anywhere in int8 (-128 too: compressed-tensors' symmetric
+//     quantization rounds the most negative weight of a row to it);
 //   - portable C++ for any other CPU.
 // The VNNI paths take the activations as unsigned bytes (q + 128) and subtract 128 * the
 // weight row's sum (precomputed at load), which VPDPBUSD's exact int32 sums allow.
@@ -108,6 +110,8 @@ void panel_ymm(const Problem& p, int64_t row, int64_t rows, int64_t panel, int32
   for (int64_t g = 0; g < p.kp; g += kGroup) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kPanel + 32));
+    // |w| as unsigned bytes (|-128| = 128), once a group for every row
+    const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
     for (int64_t r = 0; r < rows; ++r) {
       const __m256i x = _mm256_set1_epi32(group_of(p.xq + (row + r) * p.kp + g));
       if constexpr (kVnni) {
@@ -116,11 +120,10 @@ void panel_ymm(const Problem& p, int64_t row, int64_t rows, int64_t panel, int32
         hi[r] = _mm256_dpbusd_avx_epi32(hi[r], x, w1);
 #endif
       } else {
-        const __m256i ax = _mm256_abs_epi8(x);
         lo[r] = _mm256_add_epi32(
-            lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+            lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(x, w0)), ones));
         hi[r] = _mm256_add_epi32(
-            hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+            hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(x, w1)), ones));
       }
     }
   }
