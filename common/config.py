@@ -26,9 +26,11 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
-# none: weights as the model's dtype; gguf: projections kept in the GGUF's blocks.
-Quantization = Literal["none", "gguf", "int8"]
-QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8")
+# none: weights as the model's dtype (or as a W8A8 checkpoint holds them); gguf:
+# projections kept in the GGUF's blocks; int8: W8A8, quantized at load (or the checkpoint's);
+# compressed-tensors: a W8A8 checkpoint's int8 weights as they are (vLLM's spelling).
+Quantization = Literal["none", "gguf", "int8", "compressed-tensors"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8", "compressed-tensors")
 # --quantization gguf's activations: q8 = quantized to 8 bits per block of 32 and dotted in
 # integers (llama.cpp's arithmetic), float = as they are (exact), auto = chosen per CPU.
 GgufActivations = Literal["auto", "q8", "float"]

@@ -1,16 +1,24 @@
 """``tandem serve --quantization int8`` as a user runs it: the real processes and sockets,
 SmolLM2's projections in W8A8, streamed and whole completions that answer sensibly, a
 batch of requests (one step, rows of many lengths) answering each as it answers alone,
-and the choice reported in the worker's log."""
+and the choice reported in the worker's log. And a W8A8 checkpoint of SmolLM2 as
+llm-compressor saves it (compressed-tensors), served with no flag at all, as vLLM serves
+one: its own int8 weights and scales, answering sensibly."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from common.model_files import resolve_model_dir
 from tests.stack import CPU_WORKERS, TandemStack, completion
+from tests.w8a8_checkpoints import save_w8a8
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):\n", "Water boils at"]
 
@@ -38,3 +46,19 @@ def test_a_batch_answers_each_request_as_alone(int8_stack: TandemStack) -> None:
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: greedy(int8_stack.url, p), PROMPTS))
     assert together == alone  # per-token scales: a row's arithmetic is its own
+
+
+def test_a_w8a8_checkpoint_is_served_as_it_is_without_a_flag(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    source = resolve_model_dir("smollm2-135m-instruct")
+    checkpoint = tmp_path_factory.mktemp("smollm2-w8a8")
+    save_w8a8(AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32), checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(source) / name, checkpoint / name)
+    args = ("--model", str(checkpoint), "--served-model-name", "smollm2-135m-instruct")
+    with TandemStack(*args, "--dtype", "float32", env=CPU_WORKERS) as stack:
+        assert "Paris" in greedy(stack.url, PROMPTS[0])
+        log = stack.log()
+    assert "is a W8A8 checkpoint (compressed-tensors): served as int8" in log
+    assert "120 projections int8 from the checkpoint's W8A8 (compressed-tensors)" in log

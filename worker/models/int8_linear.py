@@ -22,8 +22,9 @@ from torch import nn
 
 from worker.native import NativeKernels
 
-# The largest int8 magnitude used: symmetric, so -128 never occurs (the AVX2 path's sign
-# trick and the VNNI paths' unsigned offset rely on it).
+# The largest int8 magnitude our quantization uses: symmetric, so -128 never occurs in the
+# rows (the VNNI paths' unsigned offset relies on it). The kernels take weights of -128 too
+# (compressed-tensors checkpoints hold them), which only our own weights never have.
 QMAX = 127
 
 
@@ -47,15 +48,22 @@ class Int8Linear(nn.Module):
     weight_sums: torch.Tensor
     weight_scales: torch.Tensor
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        kernels: NativeKernels,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``linear``'s weight quantized per channel here, or ``quantized``: its int8
+        ``[out, in]`` weight and float32 ``[out]`` scales as a checkpoint holds them."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.kernels = kernels
-        q, scales = quantize_per_channel(linear.weight)
+        q, scales = quantized if quantized is not None else quantize_per_channel(linear.weight)
         self.register_buffer("packed", kernels.int8_pack(q), persistent=False)
         self.register_buffer("weight_sums", q.sum(dim=1, dtype=torch.int32), persistent=False)
-        self.register_buffer("weight_scales", scales.contiguous(), persistent=False)
+        self.register_buffer("weight_scales", scales.float().contiguous(), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
 

@@ -5,6 +5,7 @@ Both run on the native CPU kernels only; each refuses what it cannot serve, nami
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from common.config import GgufActivations, Quantization
 from common.model_files import gguf_source, resolve_model_dir
-from worker.models import smooth_quant
+from worker.models import compressed_tensors, smooth_quant
 from worker.models.base import CausalLM
 from worker.models.decoder import DecoderLM
 from worker.models.gguf_weights import GgufFile
@@ -133,12 +134,57 @@ class Int8PerChannel:
         logger.info("quantized %d projections to int8 per channel (W8A8 on %s)", count, isa)
 
 
+@dataclass(frozen=True)
+class CheckpointW8A8:
+    """W8A8 as a compressed-tensors checkpoint holds it (``compressed_tensors.py``): its
+    int8 weights and per-channel scales as they are, no smoothing or rounding of ours."""
+
+    model_dir: Path
+    flag: str = "compressed-tensors"
+
+    def apply(
+        self,
+        model: CausalLM,
+        config: dict[str, Any],
+        ops: Ops | None,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        native = _native_ops(self.flag, ops, tp, device)
+        if not isinstance(model, DecoderLM):
+            raise ValueError(f"W8A8 checkpoints are served for decoder models, not {type(model)}")
+        scales = compressed_tensors.read_weight_scales(self.model_dir)
+        count = compressed_tensors.quantize_from_checkpoint(model, scales, native.kernels)
+        logger.info("%d projections int8 from the checkpoint's W8A8 (compressed-tensors)", count)
+
+
 def quantizer_for(
     quantization: Quantization, model: str, gguf_activations: GgufActivations = "auto"
 ) -> WeightQuantizer | None:
-    """The quantizer ``--quantization`` names for ``--model`` (None: weights as loaded)."""
+    """The quantizer ``--quantization`` names for ``--model`` (None: weights as loaded).
+    A W8A8 checkpoint (compressed-tensors) is served as its ``quantization_config`` says,
+    as vLLM serves it, whether ``--quantization`` is left out or names ``int8`` or
+    ``compressed-tensors``; ``gguf`` for it, or ``compressed-tensors`` for a checkpoint
+    that is not one, is a ``ValueError``."""
     if quantization == "gguf":
         return GgufBlocks(gguf_source(model), gguf_activations)
+    model_dir = resolve_model_dir(model)
+    if compressed_tensors.is_w8a8_checkpoint(read_config(model_dir)):
+        if quantization == "none":
+            logger.info("%s is a W8A8 checkpoint (compressed-tensors): served as int8", model)
+        return CheckpointW8A8(model_dir)
+    if quantization == "compressed-tensors":
+        raise ValueError(
+            f"--quantization compressed-tensors: {model} has no compressed-tensors "
+            "quantization_config"
+        )
     if quantization == "int8":
-        return Int8PerChannel(resolve_model_dir(model))
+        return Int8PerChannel(model_dir)
     return None
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``model_dir``'s config.json (the loader reads it again to build the model)."""
+    with open(model_dir / "config.json") as f:
+        config: dict[str, Any] = json.load(f)
+    return config
