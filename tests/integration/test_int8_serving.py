@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.peers.w8a8_checkpoint import save_w8a8
 from common.model_files import resolve_model_dir
 from tests.stack import CPU_WORKERS, TandemStack, completion
-from tests.w8a8_checkpoints import save_w8a8
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):\n", "Water boils at"]
 

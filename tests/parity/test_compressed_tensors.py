@@ -1,5 +1,5 @@
 """W8A8 checkpoints in the compressed-tensors format (as llm-compressor saves them, written
-here by compressed-tensors itself: ``tests/w8a8_checkpoints.py``) served from the
+here by compressed-tensors itself: ``bench/peers/w8a8_checkpoint.py``) served from the
 checkpoint's own ``quantization_config``, as vLLM serves them:
 
 - every projection inside the layers an ``Int8Linear`` over the checkpoint's integers and
@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from bench.peers.w8a8_checkpoint import save_w8a8
 from tests.parity.families import build
 from tests.parity.test_family_logits import Paged, prompt
-from tests.w8a8_checkpoints import save_w8a8
 from worker.models.int8_linear import Int8Linear
 from worker.models.loader import load_model
 from worker.models.quantizers import CheckpointW8A8, quantizer_for

@@ -1,5 +1,6 @@
-"""W8A8 checkpoints as llm-compressor saves them, written by compressed-tensors (the
-library that defines the format and that llm-compressor saves through): the ``W8A8``
+"""W8A8 checkpoints as llm-compressor saves them (the compressed-tensors tests' and the
+vLLM W8A8 peer's), written by compressed-tensors (the library that defines the format
+and that llm-compressor saves through): the ``W8A8``
 preset on every ``Linear`` but the LM head, each weight's per-channel scale computed as
 compressed-tensors' own ``calculate_qparams`` computes it (what llm-compressor's
 min-max observer hands it), then compressed to int8 and saved with the checkpoint's
@@ -8,6 +9,7 @@ not installed; its W8A8 save is this path, after whatever it did to the float we
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,7 +20,9 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 from compressed_tensors.quantization.utils import calculate_qparams
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from common.model_files import cache_root, resolve_model_dir
 
 
 def save_w8a8(model: PreTrainedModel, out: Path) -> None:
@@ -42,3 +46,20 @@ def save_w8a8(model: PreTrainedModel, out: Path) -> None:
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(str(out))
+
+
+def w8a8_of(model: str) -> Path:
+    """A W8A8 checkpoint of the embedded ``model`` (its tokenizer beside it), made once
+    into the cache: plain round-to-nearest per channel, no smoothing."""
+    out = cache_root() / "models" / f"{model}-w8a8"
+    if (out / "config.json").is_file():
+        return out
+    source = resolve_model_dir(model)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_w8a8(AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32), partial)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, partial / name)
+    partial.rename(out)
+    return out
