@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.avx2_build import assert_passes_on_the_avx2_build
 from tests.counted_kernels import CountedKernels
 from tests.fused_steps import fused_against_python
 from tests.parity.families import build
@@ -71,3 +72,9 @@ def test_a_model_with_int8_and_other_projections_keeps_the_python_layers(
     linear = torch.nn.Linear(first.o_proj.in_features, first.o_proj.out_features, bias=False)
     first.o_proj = PackedLinear(linear.to(torch.bfloat16), ops.small_batch_linear, ops.packing)
     assert DecodeStack.build(model, ops) is None
+
+
+def test_the_avx2_build_passes_these_tests() -> None:
+    """This file again on the portable x86-64-v3 build: AVX2 hosts' int8 steps take
+    decode_rows too (int8_linear's AVX2 path, the raw rows' AVX2 attention)."""
+    assert_passes_on_the_avx2_build(__file__)

@@ -1,8 +1,8 @@
-"""W8A8 linear layers (``--quantization int8``): the projections of a float checkpoint
-quantized once at load to int8 per output channel, their inputs quantized per token at
-every call, multiplied in int32 by the native ``int8_linear`` (``worker/csrc/
-int8_linear.cpp``: AVX512-VNNI, AVX-VNNI, AVX2 or portable C++, the best this build and
-CPU have).
+"""W8A8 linear layers (``--quantization int8``, or a W8A8 checkpoint's own integers:
+``compressed_tensors.py``): the projections of a float checkpoint quantized once at load
+to int8 per output channel, their inputs quantized per token at every call, multiplied in
+int32 by the native ``int8_linear`` (``worker/csrc/int8_linear.cpp``: AMX-INT8,
+AVX512-VNNI, AVX-VNNI, AVX2 or portable C++, the best this build and CPU have).
 
 This is vLLM's CPU W8A8 scheme (compressed-tensors' ``int8`` weights, channel strategy,
 dynamic per-token activations): symmetric scales ``max|w[n]| / 127`` and ``max|x[m]| / 127``,
