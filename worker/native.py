@@ -76,6 +76,7 @@ HEADERS = [
     CSRC / "attention_problem.h",
     CSRC / "parallel.h",
     CSRC / "int8_problem.h",
+    CSRC / "amx_tiles.h",
     CSRC / "int8_rows.h",
 ]
 KERNEL_ARCH_ENV = "TANDEM_KERNEL_ARCH"

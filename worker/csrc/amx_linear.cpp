@@ -28,9 +28,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "simd.h"
 #define TANDEM_HAS_AMX 1
 #else
@@ -48,19 +47,7 @@ constexpr int64_t kOutAlign = 2 * kTile;  // outputs go in pairs of 16-output bl
 constexpr int64_t kPairsPerTask = 2;  // at::parallel_for grain, in pairs of blocks
 constexpr int64_t kNearSteps = 2;     // L1 prefetch distance, in K steps
 
-// Linux hands AMX's tile data state to a process only once it asks.
-bool request_amx() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+using tandem::amx::TileConfig;
 
 // tmm0/tmm1: sums of block a for x rows 0-15 / 16-31, tmm6/tmm7 the same for block b
 // (16 outputs x 16 rows of float32); tmm2/tmm5: the weight tiles of blocks a and b
@@ -202,7 +189,7 @@ void amx_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
 
 bool has_amx_linear() {
 #if TANDEM_HAS_AMX
-  static const bool granted = request_amx();
+  static const bool granted = tandem::amx::request_tiles();
   return granted;
 #else
   return false;

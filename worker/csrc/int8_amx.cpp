@@ -23,8 +23,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 #define TANDEM_HAS_AMX_INT8 1
 #else
 #define TANDEM_HAS_AMX_INT8 0
@@ -38,19 +38,7 @@ constexpr int64_t kStep = 64;  // inputs (bytes) per K step
 constexpr int64_t kAhead = 2;  // L1 prefetch distance, in K steps
 
 #if TANDEM_HAS_AMX_INT8
-// Linux hands AMX's tile data state to a process only once it asks.
-bool request_tiles() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+using tandem::amx::TileConfig;
 
 // The tiles for a block of `rows` rows (the second half's tiles get what is left, or one
 // row where nothing is: configured, never used).
@@ -130,7 +118,7 @@ void add_tail(const Problem& p, int64_t row, int64_t rows, int64_t panel, int64_
 
 bool amx_int8_ready() {
 #if TANDEM_HAS_AMX_INT8
-  static const bool granted = request_tiles();
+  static const bool granted = tandem::amx::request_tiles();
   return granted;
 #else
   return false;
