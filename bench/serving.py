@@ -57,7 +57,6 @@ from bench.loadgen import run_load
 from bench.peers import llama_server as llama
 from bench.peers import transformers_peer as hf
 from bench.peers import vllm_server as vllm
-from bench.peers.w8a8_checkpoint import w8a8_of
 from bench.rss import PeakRss
 from bench.serving_report import SPLIT, report
 from bench.stats import RequestResult, Slo, summarize
@@ -250,7 +249,11 @@ class Systems:
         elif system in ("vllm", "vllm-bind-all", "vllm-w8a8"):
             bind = "auto" if system == "vllm" else f"0-{(os.cpu_count() or 1) - 1}"
             # vllm-w8a8: the integer modes' vLLM peer, on a W8A8 checkpoint of SmolLM2
-            checkpoint = w8a8_of(hf.MODEL) if system == "vllm-w8a8" else None
+            checkpoint = None
+            if system == "vllm-w8a8":  # compressed-tensors: the dev extra's
+                from bench.peers.w8a8_checkpoint import w8a8_of
+
+                checkpoint = w8a8_of(hf.MODEL)
             url, pid = self.stack.enter_context(vllm.vllm_server(max(64, max_c), bind, checkpoint))
             self.runners[system], self.pids[system] = (
                 self._http(url, hf.MODEL, reset_prefix_cache=False),

@@ -25,13 +25,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from common.model_files import cache_root, resolve_model_dir
 
 
-def save_w8a8(model: PreTrainedModel, out: Path) -> None:
+def save_w8a8(model: PreTrainedModel, out: Path, ignore: tuple[str, ...] = ()) -> None:
     """``model`` (float, as ``transformers`` holds it) saved into ``out`` as a W8A8
-    checkpoint; ``model`` is left compressed."""
+    checkpoint, the LM head and ``ignore`` (names or ``re:`` patterns, as llm-compressor
+    takes them) left float; ``model`` is left compressed."""
     scheme = preset_name_to_scheme("W8A8", ["Linear"])
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    )
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", *ignore])
+    apply_quantization_config(model, config)
     with torch.no_grad():
         for module in model.modules():
             args = getattr(getattr(module, "quantization_scheme", None), "weights", None)

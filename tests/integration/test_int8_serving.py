@@ -16,7 +16,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.peers.w8a8_checkpoint import save_w8a8
 from common.model_files import resolve_model_dir
 from tests.stack import CPU_WORKERS, TandemStack, completion
 
@@ -51,6 +50,8 @@ def test_a_batch_answers_each_request_as_alone(int8_stack: TandemStack) -> None:
 def test_a_w8a8_checkpoint_is_served_as_it_is_without_a_flag(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    from bench.peers.w8a8_checkpoint import save_w8a8  # compressed-tensors: the dev extra's
+
     source = resolve_model_dir("smollm2-135m-instruct")
     checkpoint = tmp_path_factory.mktemp("smollm2-w8a8")
     save_w8a8(AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32), checkpoint)

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from bench.peers.w8a8_checkpoint import save_w8a8
 from tests.parity.families import build
 from tests.parity.test_family_logits import Paged, prompt
+from worker.models.compressed_tensors import is_w8a8_checkpoint
 from worker.models.int8_linear import Int8Linear
 from worker.models.loader import load_model
 from worker.models.quantizers import CheckpointW8A8, quantizer_for
@@ -101,6 +102,46 @@ def test_a_w8a8_checkpoint_is_served_as_it_holds_its_weights(family: str, tmp_pa
         expected = reference(torch.tensor([tokens])).logits[0]
     # float32 rounding apart (~1e-7 here), where the float model is ~3e-3 away
     assert (ours - expected).abs().max() < 1e-5
+
+
+def test_layers_the_checkpoint_left_float_stay_float(tmp_path: Path) -> None:
+    float_dir, w8a8_dir = tmp_path / "float", tmp_path / "w8a8"
+    save_w8a8(build("qwen2", float_dir), w8a8_dir, ignore=("re:.*down_proj",))
+    tensors = checkpoint_tensors(w8a8_dir)
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    paged = PagedW8A8(w8a8_dir)
+    kinds = {
+        name.rsplit(".", 1)[-1]: type(m).__name__
+        for name, m in paged.model.named_modules()
+        if name.endswith("_proj")
+    }
+    assert kinds["down_proj"] != "Int8Linear"
+    assert {kinds[p] for p in ("qkv_proj", "o_proj", "gate_up_proj")} == {"Int8Linear"}
+    tokens = prompt(2, 11)
+    (ours,) = paged.step([(tokens, [0, 1, 2], 0, 11)])
+    with torch.no_grad():
+        expected = w8a8_reference(float_dir, tensors)(torch.tensor([tokens])).logits[0]
+    assert (ours - expected).abs().max() < 1e-5
+
+
+def test_what_the_format_allows_is_taken_and_the_rest_refused(tmp_path: Path) -> None:
+    save_w8a8(build("llama", tmp_path / "float"), tmp_path / "w8a8")
+    config = json.loads((tmp_path / "w8a8" / "config.json").read_text())
+    q = config["quantization_config"]
+    assert is_w8a8_checkpoint(config)
+    # older saves: a dense sparsity config, a group without its own format
+    older = {**q, "sparsity_config": {"format": "dense"}}
+    older["config_groups"] = {"group_0": {**q["config_groups"]["group_0"], "format": None}}
+    assert is_w8a8_checkpoint({"quantization_config": older})
+    assert not is_w8a8_checkpoint({"quantization_config": {}})
+    with pytest.raises(ValueError, match="sparsity or transforms"):
+        is_w8a8_checkpoint({"quantization_config": {**q, "sparsity_config": {"format": "x"}}})
+    with pytest.raises(ValueError, match="quant_method 'fp8' is not served"):
+        is_w8a8_checkpoint({"quantization_config": {"quant_method": "fp8"}})
+    quantizer = quantizer_for("none", str(tmp_path / "w8a8"))
+    assert quantizer is not None
+    with pytest.raises(ValueError, match=r"a W8A8 checkpoint \(compressed-tensors\) runs on"):
+        load_model(tmp_path / "w8a8", torch.float32, torch.device("cpu"), None, None, quantizer)
 
 
 def test_schemes_other_than_w8a8_are_refused_naming_the_field(tmp_path: Path) -> None:

@@ -74,6 +74,16 @@ def test_rows_quantize_exactly_as_torch_does(dtype: torch.dtype) -> None:
     assert int(q[4, 5]) == -127 and not q[3].any()
 
 
+def test_a_row_too_small_for_127_over_its_max_quantizes_to_zeros() -> None:
+    # 127 / 1e-38 overflows float32: the vector lanes and the scalar tail (70 = 64 + 6)
+    # both give zeros, not +-127 or the vector conversion's -128.
+    x = torch.full((2, 70), 1e-38)
+    x[1] = -1e-38
+    q, scales = kernels.int8_quantize_rows(x)
+    assert not q.any()
+    assert torch.equal(scales, torch.full((2,), 1e-38) / 127)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 70),

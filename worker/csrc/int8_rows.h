@@ -69,7 +69,10 @@ float quantize_row(const T* x, int64_t k, int8_t* q) {
   const float top = row_amax(x, k);
   // 127 / max in float32, then one product and one rounding a value (nearest even, as
   // std::nearbyint in the default mode and torch.round).
-  const float inv = top > 0.f ? 127.f / top : 0.f;
+  // (a row whose largest magnitude is under ~3.7e-37 overflows 127 / max: quantized to
+  // zeros, its scale ~1e-39, on both paths alike)
+  const float ratio = top > 0.f ? 127.f / top : 0.f;
+  const float inv = std::isfinite(ratio) ? ratio : 0.f;
   int64_t i = 0;
   if constexpr (kVectorRows<T>) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)

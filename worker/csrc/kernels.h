@@ -224,6 +224,8 @@ class DecodeRowsPlan {
 // int8 activations per row quantized in the call, int32 sums, a float epilogue. `isa` picks
 // one of int8_linear_isas() (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI, 4 AMX-INT8; -1
 // the best).
+// Quantized rows are in [-127, 127] (int8_quantize_rows never makes -128; the AVX2 path's
+// sign trick and the VNNI paths' offset rely on it); weights take all of int8.
 std::vector<int64_t> int8_linear_isas();
 at::Tensor int8_pack(const at::Tensor& qweight);
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);

@@ -46,7 +46,7 @@ def is_w8a8_checkpoint(config: dict[str, Any]) -> bool:
     False where it declares no quantization. Raises ``ValueError`` naming the field for a
     compressed-tensors scheme other than W8A8, or another quantization method."""
     q = config.get("quantization_config")
-    if q is None:
+    if not q:
         return False
     method = q.get("quant_method")
     if method != "compressed-tensors":
@@ -59,14 +59,17 @@ def is_w8a8_checkpoint(config: dict[str, Any]) -> bool:
         raise refuse(f"quantization_status {q.get('quantization_status')!r}, not 'compressed'")
     if q.get("kv_cache_scheme") is not None:
         raise refuse("a quantized KV cache (kv_cache_scheme)")
-    if q.get("sparsity_config") or q.get("transform_config"):
+    # older llm-compressor saves write a dense sparsity config: no sparsity
+    sparsity = q.get("sparsity_config") or {}
+    if (sparsity and sparsity.get("format") != "dense") or q.get("transform_config"):
         raise refuse("sparsity or transforms")
     groups = q.get("config_groups") or {}
     if not groups:
         raise refuse("no config_groups")
     for name, group in groups.items():
-        if group.get("format", q.get("format")) != "int-quantized":
-            raise refuse(f"group {name}'s format {group.get('format', q.get('format'))!r}")
+        form = group.get("format") or q.get("format")  # a group's own, else the checkpoint's
+        if form != "int-quantized":
+            raise refuse(f"group {name}'s format {form!r}")
         for field, want in (("weights", _WEIGHTS), ("input_activations", _INPUTS)):
             args = group.get(field) or {}
             wrong = {k: args.get(k) for k, v in want.items() if args.get(k) != v}

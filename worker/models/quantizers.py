@@ -45,14 +45,16 @@ class WeightQuantizer(Protocol):
         """Swap ``model``'s projections (loaded and fused) for quantized ones, in place."""
 
 
-def _native_ops(flag: str, ops: Ops | None, tp: TensorParallel, device: torch.device) -> NativeOps:
+def _native_ops(what: str, ops: Ops | None, tp: TensorParallel, device: torch.device) -> NativeOps:
+    """``ops`` where they are the native CPU kernels of one rank; ``what``: the mode, as
+    the error names it."""
     if device.type != "cpu" or not isinstance(ops, NativeOps):
         raise ValueError(
-            f"--quantization {flag} runs on the native CPU kernels; this worker has "
+            f"{what} runs on the native CPU kernels; this worker has "
             f"{ops.name if ops is not None else 'PyTorch'} ops on {device}"
         )
     if tp.size > 1:
-        raise ValueError(f"--quantization {flag} does not shard across tensor-parallel ranks")
+        raise ValueError(f"{what} does not shard across tensor-parallel ranks")
     return ops
 
 
@@ -73,7 +75,7 @@ class GgufBlocks:
         tp: TensorParallel,
         device: torch.device,
     ) -> None:
-        native = _native_ops(self.flag, ops, tp, device)
+        native = _native_ops(f"--quantization {self.flag}", ops, tp, device)
         heads = int(config["num_attention_heads"])
         gguf = GgufFile(
             self.path,
@@ -122,7 +124,7 @@ class Int8PerChannel:
         tp: TensorParallel,
         device: torch.device,
     ) -> None:
-        native = _native_ops(self.flag, ops, tp, device)
+        native = _native_ops(f"--quantization {self.flag}", ops, tp, device)
         if self.smooth:
             if not isinstance(model, DecoderLM):
                 raise ValueError(f"--quantization int8 smooths decoder models, not {type(model)}")
@@ -150,7 +152,8 @@ class CheckpointW8A8:
         tp: TensorParallel,
         device: torch.device,
     ) -> None:
-        native = _native_ops(self.flag, ops, tp, device)
+        # (chosen by the checkpoint itself, whatever --quantization said)
+        native = _native_ops("a W8A8 checkpoint (compressed-tensors)", ops, tp, device)
         if not isinstance(model, DecoderLM):
             raise ValueError(f"W8A8 checkpoints are served for decoder models, not {type(model)}")
         scales = compressed_tensors.read_weight_scales(self.model_dir)
