@@ -26,9 +26,8 @@ from torch import nn
 
 from bench.floor import bandwidth_gb_s
 from bench.harness import median_ms_interleaved, print_table, write_results
-from common.model_files import resolve_model_dir
+from common.model_files import read_hf_config, resolve_model_dir
 from worker.huge_pages import move_to_huge_pages
-from worker.models.loader import read_hf_config
 from worker.models.packed_linear import PackedLinear
 from worker.native import NativeKernels, load_native_kernels
 

@@ -216,6 +216,13 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json."""
+    with open(model_dir / "config.json") as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
 def resolve_model_dir(name_or_path: str) -> Path:
     """The directory holding config.json, safetensors and tokenizer files for a model."""
     embedded = EMBEDDED_MODELS.get(name_or_path)

@@ -27,11 +27,12 @@ from common.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from common.model_files import read_hf_config
 from worker.attention import build_metadata
 from worker.draft_verifier import SampleRow, num_accepted, rows_for
 from worker.kv_memory import SharedCaches, local_caches
 from worker.kv_transport import KVTransport, NoTransport
-from worker.models.loader import load_model, read_hf_config
+from worker.models.loader import load_model
 from worker.models.quantizers import WeightQuantizer
 from worker.ops import pick_ops
 from worker.parallel import TensorParallel

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common.model_files import read_hf_config
 from worker.huge_pages import move_to_huge_pages
 from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
@@ -26,12 +27,6 @@ from worker.ops import Ops, TorchOps
 from worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
-
-
-def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    with open(model_dir / "config.json") as f:
-        config: dict[str, Any] = json.load(f)
-    return config
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

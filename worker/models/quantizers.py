@@ -5,7 +5,6 @@ Both run on the native CPU kernels only; each refuses what it cannot serve, nami
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from common.config import GgufActivations, Quantization
-from common.model_files import gguf_source, resolve_model_dir
+from common.model_files import gguf_source, read_hf_config, resolve_model_dir
 from worker.models import compressed_tensors, smooth_quant
 from worker.models.base import CausalLM
 from worker.models.decoder import DecoderLM
@@ -172,7 +171,7 @@ def quantizer_for(
     if quantization == "gguf":
         return GgufBlocks(gguf_source(model), gguf_activations)
     model_dir = resolve_model_dir(model)
-    if compressed_tensors.is_w8a8_checkpoint(read_config(model_dir)):
+    if compressed_tensors.is_w8a8_checkpoint(read_hf_config(model_dir)):
         if quantization == "none":
             logger.info("%s is a W8A8 checkpoint (compressed-tensors): served as int8", model)
         return CheckpointW8A8(model_dir)
@@ -184,10 +183,3 @@ def quantizer_for(
     if quantization == "int8":
         return Int8PerChannel(model_dir)
     return None
-
-
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """``model_dir``'s config.json (the loader reads it again to build the model)."""
-    with open(model_dir / "config.json") as f:
-        config: dict[str, Any] = json.load(f)
-    return config
