@@ -195,10 +195,18 @@ class FusedDecode(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LoRARows(Protocol):
+    """The step's LoRA adapter rows (``worker/lora.py``'s ``LoRABatch``)."""
+
+    @property
+    def active(self) -> bool: ...
+
+
 class DecoderLM(CausalLM):
     """``forward`` takes the flattened tokens of the whole step and returns hidden states;
     ``compute_logits`` is applied only to the rows that are sampled. Once loaded, a
-    ``fused_decode`` (set by the loader where one applies) takes decode-only steps."""
+    ``fused_decode`` (set by the loader where one applies) takes decode-only steps without
+    LoRA adapter rows (``lora_batch``, set by ``worker.lora.attach_lora``)."""
 
     @staticmethod
     def parse_config(cfg: dict[str, Any]) -> DecoderArgs:
@@ -218,6 +226,7 @@ class DecoderLM(CausalLM):
         self.vocab_per_rank = tp.split(args.vocab_size, "vocabulary")
         self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False)
         self.fused_decode: FusedDecode | None = None
+        self.lora_batch: LoRARows | None = None
 
     @property
     def num_layers(self) -> int:
@@ -289,8 +298,10 @@ class DecoderLM(CausalLM):
         rope = {
             name: emb(positions, dtype, meta.positions_end) for name, emb in self.rotary.items()
         }
-        fused = self.fused_decode
-        if fused is not None and fused.takes(meta, input_ids.shape[0]):
+        fused, lora = self.fused_decode, self.lora_batch
+        # The fused path runs the base projections only: no adapter deltas.
+        no_adapters = lora is None or not lora.active
+        if fused is not None and no_adapters and fused.takes(meta, input_ids.shape[0]):
             return fused(input_ids, rope, kv_caches, meta)
         x = self.embed(input_ids)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):

@@ -1,0 +1,142 @@
+"""LoRA adapters on the worker: rows of several adapters and of the base model in one
+forward (the SGMV idea of Punica and vLLM, in PyTorch ops).
+
+``attach_lora`` wraps each layer's four projections once, in ``LoRALinear``: the base
+projection runs over every row of the step as before, then each adapter of the step adds
+its delta to its own rows only (gather the rows, two thin matmuls, ``index_add_``). Which
+rows run with which adapter is the step's ``LoRABatch``, set by the model runner before
+the forward and cleared after; the wrapped projections and the model hold it by
+reference, so there is no global state. A step with no adapter rows runs the base
+projections alone, and the model's fused decode path with them.
+
+The adapters themselves (``LoRAWeights``, ``load_lora_weights``: ``worker/lora_weights.py``)
+are kept loaded by a ``LoRACache`` of a fixed capacity, least recently used out first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.messages import LoRARequest
+from worker.lora_weights import (
+    PROJECTIONS,
+    LoRAFactors,
+    LoRAWeights,
+    load_lora_weights,
+    lora_module_shapes,
+)
+from worker.models.decoder import DecoderLayer, DecoderLM
+
+__all__ = [
+    "LoRABatch",
+    "LoRACache",
+    "LoRAFactors",
+    "LoRALinear",
+    "LoRAWeights",
+    "attach_lora",
+    "load_lora_weights",
+    "lora_module_shapes",
+]
+
+
+class LoRABatch:
+    """The current step's adapter rows: per adapter, the indices (long, on the model's
+    device) of the step's flattened token rows that run with it. Rows of no adapter are
+    absent. Owned by the model runner (``set`` before a forward, ``clear`` after); read
+    by every ``LoRALinear`` and by ``DecoderLM.forward``."""
+
+    def __init__(self) -> None:
+        self.groups: tuple[tuple[LoRAWeights, torch.Tensor], ...] = ()
+
+    def set(self, groups: list[tuple[LoRAWeights, torch.Tensor]]) -> None:
+        """The rows of each adapter for the next forward (each row in one group at most:
+        a row of two groups would get both deltas)."""
+        self.groups = tuple((weights, rows) for weights, rows in groups if rows.numel())
+
+    def clear(self) -> None:
+        self.groups = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether any row of the step runs with an adapter."""
+        return bool(self.groups)
+
+
+class LoRALinear(nn.Module):
+    """A layer's projection (``nn.Linear`` or a quantized one, called as is) plus each
+    adapter's delta on its rows: ``y[rows] += lora_B(lora_A(x[rows])) * scaling``, added
+    before any all-reduce that follows the projection."""
+
+    def __init__(self, base: nn.Module, layer_index: int, projection: str, batch: LoRABatch):
+        super().__init__()
+        self.base = base
+        self.layer_index, self.projection = layer_index, projection
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)
+        for weights, rows in self.batch.groups:
+            factors = weights.layers[self.layer_index].get(self.projection)
+            if factors is not None:
+                # Scaling after both matmuls, as PEFT applies it.
+                delta = F.linear(F.linear(x.index_select(0, rows), factors.a), factors.b)
+                y.index_add_(0, rows, delta * weights.scaling)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_index}, projection={self.projection}"
+
+
+def attach_lora(model: DecoderLM, batch: LoRABatch) -> None:
+    """Once, after loading: wrap every layer's projections to add ``batch``'s adapter
+    deltas, and have the model leave its fused decode path to steps without them."""
+    if model.lora_batch is not None:
+        raise RuntimeError("attach_lora runs once per model")
+    for index, layer in enumerate(model.model.layers):
+        if not isinstance(layer, DecoderLayer):
+            raise TypeError(f"layer {index} is a {type(layer).__name__}, not a DecoderLayer")
+        for projection in PROJECTIONS:
+            owner = layer.self_attn if projection in ("qkv_proj", "o_proj") else layer.mlp
+            base = getattr(owner, projection)
+            if not isinstance(base, nn.Module):
+                raise RuntimeError(f"attach_lora runs after fuse(): layer {index} {projection}")
+            setattr(owner, projection, LoRALinear(base, index, projection, batch))
+    model.lora_batch = batch
+
+
+class LoRACache:
+    """The adapters this worker keeps loaded, by ``int_id``, at most ``capacity`` of
+    them: ``get`` loads one on a miss, dropping the least recently used. A dropped
+    adapter still in the current step's ``LoRABatch`` lives on until the batch is
+    cleared; the next step that asks for it loads it again."""
+
+    def __init__(self, model: DecoderLM, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a LoRA cache holds at least one adapter, not {capacity}")
+        self.model, self.capacity = model, capacity
+        self._loaded: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self.num_loads = 0
+
+    def get(self, request: LoRARequest) -> LoRAWeights:
+        """``request``'s adapter, loaded now if it is not kept. Raises ``AdapterError``
+        (keeping nothing) where its files do not fit the model."""
+        weights = self._loaded.get(request.int_id)
+        if weights is not None:
+            self._loaded.move_to_end(request.int_id)
+            return weights
+        weights = load_lora_weights(request, self.model)
+        self.num_loads += 1
+        if len(self._loaded) >= self.capacity:
+            self._loaded.popitem(last=False)
+        self._loaded[request.int_id] = weights
+        return weights
+
+    def __contains__(self, int_id: int) -> bool:
+        return int_id in self._loaded
+
+    def __len__(self) -> int:
+        return len(self._loaded)
