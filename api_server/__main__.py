@@ -23,6 +23,7 @@ from api_server.client import EngineClient
 from api_server.generation import CompletionService
 from api_server.http_protocol import with_header_timeout
 from api_server.instance_info import InstanceInfo
+from api_server.lora_routes import LoRARoutes, admin_keys_from_env
 from api_server.rate_limit import RateLimiter
 from api_server.sampling_defaults import load_sampling_defaults
 from api_server.tokenizer_loader import load_tokenizer
@@ -173,6 +174,10 @@ async def serve(config: TandemConfig) -> int:
         ),
         config.model.tool_call_parser,
         config.model.reasoning_parser,
+        LoRARoutes(service, config.model.max_lora_rank, config.model.allow_runtime_lora_updating)
+        if config.model.enable_lora
+        else None,
+        admin_keys_from_env(),
     )
     server = _Server(
         uvicorn.Config(

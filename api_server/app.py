@@ -35,6 +35,7 @@ from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, t
 from api_server.http_util import cancel_on_disconnect, key_id_of
 from api_server.http_util import parse as http_parse
 from api_server.instance_info import InstanceInfo, instance_routes
+from api_server.lora_routes import LoRARoutes, adapter_cards
 from api_server.metrics import HttpMetrics
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
@@ -76,6 +77,8 @@ ROUTE_PATHS = frozenset(
         "/get_server_info",
         "/get_load",
         "/kv_event_sources",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
 )
 
@@ -128,6 +131,8 @@ def create_app(
     instance: InstanceInfo | None = None,
     tool_call_parser: str = "auto",
     reasoning_parser: str | None = None,
+    lora: LoRARoutes | None = None,
+    admin_keys: tuple[str, ...] = (),
 ) -> Starlette:
     reasoning = REASONING_PARSERS_BY_NAME[reasoning_parser] if reasoning_parser else None
     template = ChatTemplate(service, chat_template, tool_call_parser, reasoning)
@@ -186,7 +191,7 @@ def create_app(
         }
         if info is not None:
             card["max_model_len"] = info.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card, *adapter_cards(service, created)]})
 
     async def health(request: Request) -> Response:
         client = service.client
@@ -317,6 +322,7 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
+            *(lora.routes() if lora is not None else []),
             Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         ],
@@ -349,6 +355,7 @@ def create_app(
                 limiter=service.limiter,
                 error_formats=error_formats,
                 read_timeout_s=read_timeout_s,
+                admin_keys=admin_keys,
             ),
         ],
     )

@@ -35,11 +35,14 @@ from common.messages import (
     ErrorKind,
     FinishReason,
     KVTransferStats,
+    LoadLoRAAdapter,
+    LoRARequest,
     ModelInfo,
     PoolRole,
     RequestOutput,
     ResetPrefixCache,
     SchedulerStats,
+    UnloadLoRAAdapter,
 )
 from common.silence import Silence
 
@@ -68,6 +71,7 @@ class EngineClient:
         self.role = str(PoolRole.UNIFIED)  # until the first heartbeat says
         self.pools: dict[str, SchedulerStats] = {}  # split pools: each pool's figures
         self.kv_transfers: KVTransferStats | None = None
+        self.lora_adapters: dict[str, LoRARequest] = {}  # by name, as the engine serves them
         self.dead_reason: str | None = None
         self._silence = Silence(max_gap_s=WATCHDOG_INTERVAL_S)
         self.num_malformed_frames = 0
@@ -188,6 +192,10 @@ class EngineClient:
     def reset_prefix_cache(self) -> None:
         self._send_queue.put_nowait(ResetPrefixCache())
 
+    def send_control(self, message: LoadLoRAAdapter | UnloadLoRAAdapter) -> None:
+        """An order for the engine's own state; its effect shows in a later heartbeat."""
+        self._send_queue.put_nowait(message)
+
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort; idempotent on the engine side."""
         if self.dead_reason is None:
@@ -224,6 +232,7 @@ class EngineClient:
                 self.role = message.role
                 self.pools = message.pools
                 self.kv_transfers = message.kv_transfers
+                self.lora_adapters = {a.name: a for a in message.lora_adapters}
             elif isinstance(message, EngineDead):
                 self._mark_dead(f"engine core is down: {message.reason}")
 

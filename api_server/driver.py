@@ -194,17 +194,6 @@ class GenerationDriver:
         except ApiError as e:
             return error_response(e, self.format.errors)
 
-    def check_model(self, model: str) -> None:
-        served = self.service.served_model_name
-        if model != served:
-            raise ApiError(
-                404,
-                f"model '{model}' does not exist; this server serves '{served}'",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
-
     def _check_fields(self, parsed: Parsed) -> dict[str, str]:
         if parsed.unknown and self.strict_fields:
             name = parsed.unknown[0]
@@ -226,7 +215,7 @@ class GenerationDriver:
         them to match a request's prefix against the instances' KV events."""
         try:
             req = self.format.parse(await json_body(request), key_id_of(request)).request
-            self.check_model(req.model)
+            self.service.resolve_model(req.model)
             prompts = self.format.prompts(req, self.service.model_info())
         except ApiError as e:
             return error_response(e, self.format.errors)
@@ -237,7 +226,7 @@ class GenerationDriver:
         service, fmt = self.service, self.format
         parsed = fmt.parse(await json_body(request), key_id_of(request))
         req = parsed.request
-        self.check_model(req.model)
+        lora = service.resolve_model(req.model)
         headers = self._check_fields(parsed)
         req.refuse_unsupported()
         info = service.model_info()
@@ -259,7 +248,8 @@ class GenerationDriver:
                 param="prompt_logprobs",
             )
         request_id = client_request_id(request) or f"{fmt.id_prefix}{uuid.uuid4().hex}"
-        gen = Generation(request_id, service.served_model_name, int(time.time()), req, [])
+        model = service.served_model_name if lora is None else lora.name
+        gen = Generation(request_id, model, int(time.time()), req, [])
         for prompt in prompts:
             for j in range(req.n):
                 k = len(gen.choices)
@@ -274,6 +264,7 @@ class GenerationDriver:
                     key_id_of(request),
                     kv_transfer,
                     prompt.rules,
+                    lora,
                 )
                 gen.choices.append(Choice(k, prompt, pieces))
         try:

@@ -18,6 +18,7 @@ RETRY_AFTER_S = "1"
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
+    "permission_error",
     "not_found_error",
     "rate_limit_error",
     "server_error",

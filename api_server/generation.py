@@ -24,6 +24,7 @@ from common.messages import (
     ErrorKind,
     FinishReason,
     KVTransferParams,
+    LoRARequest,
     ModelInfo,
     StructuredOutput,
     TokenLogprobs,
@@ -111,6 +112,25 @@ class CompletionService:
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.draining = False  # set on SIGTERM: new requests get 503, running ones finish
 
+    def resolve_model(self, model: str) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for a
+        name this server does not serve."""
+        if model == self.served_model_name:
+            return None
+        adapter = self.client.lora_adapters.get(model)
+        if adapter is None:
+            names = ", ".join(
+                f"'{n}'" for n in [self.served_model_name, *self.client.lora_adapters]
+            )
+            raise ApiError(
+                404,
+                f"model '{model}' does not exist; this server serves {names}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+        return adapter
+
     def model_info(self) -> ModelInfo:
         """The model's figures, or 503 when this server cannot take a request now."""
         if self.draining:
@@ -176,6 +196,7 @@ class CompletionService:
         owner: str | None = None,
         kv_transfer: KVTransferParams | None = None,
         rules: OutputRules | None = None,
+        lora: LoRARequest | None = None,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
@@ -206,6 +227,7 @@ class CompletionService:
             cache_salt=req.cache_salt,
             owner=owner,
             kv_transfer=kv_transfer,
+            lora=lora,
         )
         logger.info(
             "[%s] %s: %d prompt tokens, max_tokens=%d, stream=%s",
@@ -225,6 +247,8 @@ class CompletionService:
         self.limiter.charge(caller, len(prompt_ids))
         if choice == 0:
             self.metrics.served_here.inc()
+            if lora is not None:
+                self.metrics.lora_requests.labels(self.served_model_name, lora.name).inc()
         text_options = TextOptions(
             req.stop_strings(),
             req.include_stop_str_in_output,

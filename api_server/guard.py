@@ -50,11 +50,15 @@ class Guard:
         limiter: RateLimiter | None = None,
         error_formats: Mapping[str, ErrorFormat] | None = None,
         read_timeout_s: float = 30.0,
+        admin_keys: tuple[str, ...] = (),
     ) -> None:
+        """``admin_keys`` pass wherever ``api_keys`` do; ``scope["state"]["admin"]`` says
+        whether the caller used one (always true with keys off)."""
         self.app = app
         self.read_timeout_s = read_timeout_s
         self.error_formats = error_formats or {}
-        self._digests = [_digest(k) for k in api_keys]
+        self._admin_digests = [_digest(k) for k in admin_keys]
+        self._digests = [_digest(k) for k in api_keys] + self._admin_digests
         self.max_body_bytes = max_body_bytes
         self.limiter = limiter or RateLimiter()
 
@@ -65,13 +69,15 @@ class Guard:
         client = scope.get("client")
         return "host:" + (client[0] if client else "unknown")
 
-    def authorized(self, headers: dict[str, str]) -> bool:
+    def authorized(self, headers: dict[str, str], digests: list[bytes] | None = None) -> bool:
+        """Whether the presented key is one of ``digests`` (default: any key)."""
+        digests = self._digests if digests is None else digests
         if not self._digests:
             return True
         key = _presented_key(headers)
         given = _digest(key)
         # Compare against every key so the time taken says nothing about which matched.
-        matches = [hmac.compare_digest(given, d) for d in self._digests]
+        matches = [hmac.compare_digest(given, d) for d in digests]
         return bool(key) and any(matches)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,6 +97,7 @@ class Guard:
         state["caller"] = caller
         # With keys on, the key's identity owns the requests it makes (cancel checks it).
         state["key_id"] = caller if self._digests else None
+        state["admin"] = self.authorized(headers, self._admin_digests)
         if path in GENERATION_PATHS and scope["method"] == "POST":
             try:
                 self.limiter.admit(caller)

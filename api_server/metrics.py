@@ -183,6 +183,8 @@ class _EngineCollector(Collector):
             s.num_dropped_connections_total,
         )
         yield from self._spec_decode(s)
+        if s.max_loras:
+            yield from self._lora(s)
         if s.iteration_tokens_buckets:
             h = HistogramMetricFamily(
                 PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=labels
@@ -194,6 +196,28 @@ class _EngineCollector(Collector):
                 float(s.iteration_tokens_sum),
             )
             yield h
+
+    def _lora(self, s: SchedulerStats) -> Iterator[Metric]:
+        """vLLM's ``lora_requests_info`` (what the Gateway API Inference Extension's
+        endpoint picker reads: the labels carry the adapters, the value is the time of
+        the figures) and the adapter swaps."""
+        g = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running and waiting LoRA adapters (comma-separated), and --max-loras.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        g.add_metric(
+            [str(s.max_loras), ",".join(sorted(s.lora_waiting)), ",".join(sorted(s.lora_running))],
+            time.time(),
+        )
+        yield g
+        c = CounterMetricFamily(
+            PREFIX + "lora_swaps",
+            "LoRA adapters brought into a step's --max-loras slots (first loads included).",
+            labels=["model_name"],
+        )
+        c.add_metric([self._model], s.lora_swaps_total)
+        yield c
 
 
 class Metrics:
@@ -224,6 +248,12 @@ class Metrics:
             ["model_name", "process"],
             registry=self.registry,
         ).labels(model_name, str(os.getpid()))
+        self.lora_requests = Counter(
+            PREFIX + "lora_requests",
+            "Generation requests per LoRA adapter (the base model's are not counted here).",
+            ["model_name", "lora_name"],
+            registry=self.registry,
+        )
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(

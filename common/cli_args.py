@@ -16,6 +16,7 @@ from common.config import (
     TandemConfig,
 )
 from common.env_flags import apply_env_defaults
+from common.lora_config import add_lora_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +102,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "generation_config.json (as vLLM), vllm = none (OpenAI's defaults), or a directory "
         "holding a generation_config.json (default: %(default)s)",
     )
+    add_lora_args(parser, d.model.max_loras, d.model.max_lora_rank)
     c = parser.add_argument_group("KV cache")
     c.add_argument(
         "--block-size",

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from common.config_checks import is_private_address, require
 from common.kv_events_config import KVEventsConfig, parse_kv_events_config
+from common.lora_config import LoRAModule, check_lora_flags, parse_lora_module
 from common.messages import PoolRole
 from common.pool_config import DisaggConfig
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -59,9 +60,38 @@ class ModelConfig:
     # Sampling defaults for fields a request leaves out: "auto" = the model's
     # generation_config.json, "vllm" = none (OpenAI's), or a directory with that file.
     generation_config: str = "auto"
+    # LoRA adapters (common/lora_config.py), vLLM's flags and defaults.
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()  # name=path or JSON, as given
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: --max-loras
+    allow_runtime_lora_updating: bool = False
+
+    @property
+    def lora_adapters(self) -> list[LoRAModule]:
+        """``--lora-modules``, parsed."""
+        return [parse_lora_module(m) for m in self.lora_modules]
+
+    @property
+    def step_max_loras(self) -> int:
+        """Distinct adapters a step may run; 0 with LoRA off."""
+        return self.max_loras if self.enable_lora else 0
+
+    @property
+    def worker_lora_capacity(self) -> int:
+        """Adapters a worker keeps loaded (``--max-cpu-loras``, at least ``--max-loras``)."""
+        return self.max_cpu_loras or self.max_loras
 
     def __post_init__(self) -> None:
         require(bool(self.model), "--model must not be empty")
+        check_lora_flags(
+            self.enable_lora,
+            self.lora_modules,
+            self.max_loras,
+            self.max_lora_rank,
+            self.max_cpu_loras,
+        )
         require(
             self.chat_template is None or os.path.isfile(self.chat_template),
             f"--chat-template {self.chat_template!r} is not a file",
@@ -351,8 +381,13 @@ class TandemConfig:
         values = vars(args)
 
         def build(cls: Any) -> Any:
+            # argparse gives repeatable flags as lists; the config holds tuples (frozen).
             return cls(
-                **{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+                **{
+                    f.name: tuple(v) if isinstance(v := values[f.name], list) else v
+                    for f in dataclasses.fields(cls)
+                    if f.name in values
+                }
             )
 
         keys = [*(values.get("api_key") or []), *api_keys_from_env()]

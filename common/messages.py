@@ -202,6 +202,17 @@ class KVStreamHeader(msgspec.Struct, array_like=True):
 # ---------------------------------------------------------------- api_server -> engine
 
 
+class LoRARequest(_Wire):
+    """A LoRA adapter a request runs with (vLLM's ``LoRARequest``): ``name`` is what
+    clients pass as ``model``, ``int_id`` the engine's id for this load of it (unique for
+    the engine's life: a name loaded again gets a new id, so no KV or weights of the old
+    files are reused), ``path`` the PEFT folder every worker reads it from."""
+
+    name: str
+    int_id: int
+    path: str
+
+
 class EngineRequest(_Wire, tag=True):
     """A tokenized request, sent once by the API server that owns it."""
 
@@ -215,6 +226,7 @@ class EngineRequest(_Wire, tag=True):
     owner: str | None = None  # the API key (by digest) that made it: it alone may cancel it
     # A fleet's prefill/decode split: prefill it for a remote decode, or pull its KV.
     kv_transfer: KVTransferParams | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 class AbortRequests(_Wire, tag=True):
@@ -236,7 +248,28 @@ class ResetPrefixCache(_Wire, tag=True):
     """Forget every cached prefix block (e.g. after changing weights)."""
 
 
-EngineInput = EngineRequest | AbortRequests | ResetPrefixCache | CancelRequests
+class LoadLoRAAdapter(_Wire, tag=True):
+    """Serve the PEFT adapter at ``path`` as model ``name`` from now on (the API server
+    checked the files); every API server learns it from the next heartbeat."""
+
+    name: str
+    path: str
+
+
+class UnloadLoRAAdapter(_Wire, tag=True):
+    """Stop serving adapter ``name`` to new requests; those running finish on it."""
+
+    name: str
+
+
+EngineInput = (
+    EngineRequest
+    | AbortRequests
+    | ResetPrefixCache
+    | CancelRequests
+    | LoadLoRAAdapter
+    | UnloadLoRAAdapter
+)
 
 
 # ---------------------------------------------------------------- engine -> api_server
@@ -304,6 +337,11 @@ class SchedulerStats(_Wire):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA: running and waiting requests per adapter name, adapters swapped into a slot.
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+    lora_swaps_total: int = 0
+    max_loras: int = 0  # --max-loras; 0: LoRA off
 
 
 ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -315,6 +353,10 @@ class ModelInfo(_Wire):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    num_layers: int = 0
+    # Each projection a LoRA adapter may target (q_proj ... down_proj): its whole
+    # (in_features, out_features), what an adapter's A and B must agree with.
+    lora_module_shapes: dict[str, tuple[int, int]] = {}
 
 
 class EngineOutputs(_Wire, tag=True):
@@ -359,6 +401,7 @@ class EngineHeartbeat(_Wire, tag=True):
     role: str = "unified"
     pools: dict[str, SchedulerStats] = {}
     kv_transfers: KVTransferStats | None = None
+    lora_adapters: list[LoRARequest] = []  # the adapters served now, by load order
 
 
 class EngineDead(_Wire, tag=True):
@@ -448,6 +491,7 @@ class NewRequestData(_Wire):
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int = 0  # of token_ids; the rest were generated before a preemption
+    lora: LoRARequest | None = None  # the adapter its rows run with
 
 
 class CachedRequestData(_Wire):

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import zip_longest
+from pathlib import Path
 
 import msgspec
 
 from common.config import TandemConfig
+from common.lora import read_adapter
+from common.lora_config import LoRAModule
 from common.messages import (
     EngineRequest,
     ErrorKind,
@@ -39,6 +43,7 @@ from common.messages import (
 from engine_core.executor import PoolEvents
 from engine_core.handoff import Handoff, NoHandoff, merge
 from engine_core.kv_cache import KVCacheManager
+from engine_core.lora_registry import LoRARegistry
 from engine_core.remote_kv import NoRemoteKV, Outgoing, RemoteKV, role_refusal
 from engine_core.request import Request
 from engine_core.request_checks import request_error
@@ -66,6 +71,7 @@ class EngineCore:
         self._clock = clock
         self.topology: Topology | None = None
         self.model: ModelInfo | None = None
+        self.loras = LoRARegistry()  # --lora-modules join at start, once checked
 
     @property
     def ready(self) -> bool:
@@ -90,7 +96,21 @@ class EngineCore:
         """Wait for every pool's workers, then build the topology from what they found."""
         readies = {role: pool.wait_ready() for role, pool in self.pools.items()}
         self.model = next(iter(readies.values())).model
+        self.loras = LoRARegistry(self._checked_lora_modules(self.model))
         self.topology = build_topology(self.config, self.pools, readies, self._clock)
+
+    def _checked_lora_modules(self, model: ModelInfo) -> list[LoRAModule]:
+        """``--lora-modules``, each read against the model the workers loaded: a bad
+        adapter stops the start with the reason (``AdapterError``)."""
+        modules = self.config.model.lora_adapters
+        for module in modules:
+            read_adapter(
+                Path(module.path),
+                model.lora_module_shapes,
+                model.num_layers,
+                self.config.model.max_lora_rank,
+            )
+        return modules
 
     # ------------------------------------------------------------------ inputs
 
@@ -98,6 +118,8 @@ class EngineCore:
         """Queue a request in the pool that should prefill it; an output only if refused."""
         assert self.model is not None and self.topology is not None, "start() first"
         invalid = request_error(message, self.model)
+        if message.lora is not None and not self.config.model.enable_lora:
+            invalid = "this server runs no LoRA adapters (start it with --enable-lora)"
         if invalid is not None:
             logger.warning("[%s] refused: %s", message.request_id, invalid)
             refusal = RequestOutput(
@@ -293,6 +315,10 @@ class EngineCore:
                     *(s.spec_decode_num_accepted_tokens_per_pos for s in per_pool), fillvalue=0
                 )
             ],
+            lora_running=dict(sum((Counter(s.lora_running) for s in per_pool), Counter())),
+            lora_waiting=dict(sum((Counter(s.lora_waiting) for s in per_pool), Counter())),
+            lora_swaps_total=sum(s.lora_swaps_total for s in per_pool),
+            max_loras=per_pool[0].max_loras,
         )
 
     def transfer_stats(self) -> KVTransferStats | None:

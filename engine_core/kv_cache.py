@@ -18,6 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from common.messages import LoRARequest
 from engine_core.kv_events import KVEventSink, NoKVEvents
 
 BlockHash = bytes
@@ -173,9 +174,11 @@ class KVCacheManager:
         block_hashes: Sequence[BlockHash],
         num_computed_tokens: int,
         token_ids: Sequence[int],
+        lora: LoRARequest | None = None,
     ) -> None:
         """Register the request's blocks that are now full and computed (``token_ids``:
-        the request's tokens, which the stored-block events carry)."""
+        the request's tokens, and ``lora``: its adapter, which the stored-block events
+        carry)."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request_id, [])
@@ -188,14 +191,19 @@ class KVCacheManager:
                 self.cached_blocks[block_hash] = block
                 run_start = i if run_start is None else run_start
             elif run_start is not None:
-                self._announce(block_hashes, run_start, i, token_ids)
+                self._announce(block_hashes, run_start, i, token_ids, lora)
                 run_start = None
         if run_start is not None:
-            self._announce(block_hashes, run_start, num_full, token_ids)
+            self._announce(block_hashes, run_start, num_full, token_ids, lora)
         self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
 
     def _announce(
-        self, block_hashes: Sequence[BlockHash], start: int, end: int, token_ids: Sequence[int]
+        self,
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        token_ids: Sequence[int],
+        lora: LoRARequest | None,
     ) -> None:
         """One stored-block event for blocks ``start:end`` of a request, chained to the
         block before them."""
@@ -204,6 +212,7 @@ class KVCacheManager:
             block_hashes[start:end],
             block_hashes[start - 1] if start else None,
             token_ids[start * size : end * size],
+            lora,
         )
 
     def free(self, request_id: str) -> None:

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from common.messages import LoRARequest
+
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier, whatever the device
 MEDIUM_CPU = "CPU"
 
@@ -76,7 +78,11 @@ class KVEventSink(Protocol):
     """Where a KV manager reports blocks entering and leaving its prefix cache."""
 
     def stored(
-        self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        lora: LoRARequest | None = None,
     ) -> None: ...
 
     def removed(self, block_hash: bytes) -> None: ...
@@ -92,7 +98,11 @@ class NoKVEvents:
     """Events off: nothing recorded."""
 
     def stored(
-        self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        lora: LoRARequest | None = None,
     ) -> None:
         pass
 
@@ -115,7 +125,11 @@ class KVEventLog:
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
     def stored(
-        self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        lora: LoRARequest | None = None,
     ) -> None:
         self._events.append(
             BlockStored(
@@ -123,9 +137,9 @@ class KVEventLog:
                 parent_block_hash=None if parent is None else external_hash(parent),
                 token_ids=list(token_ids),
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora.int_id,
                 medium=self.medium,
-                lora_name=None,
+                lora_name=None if lora is None else lora.name,
                 group_idx=0,
                 kv_cache_spec_kind="full_attention",
             )

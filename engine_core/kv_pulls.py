@@ -236,7 +236,9 @@ class KVPulls:
         request = pull.request
         self._end(pull, cancel=False)
         num_tokens = pull.num_full * self.kv.block_size
-        self.kv.cache_full_blocks(pull.owner, request.block_hashes, num_tokens, request.token_ids)
+        self.kv.cache_full_blocks(
+            pull.owner, request.block_hashes, num_tokens, request.token_ids, request.lora
+        )
         self.kv.rename(pull.owner, request.request_id)  # the blocks are the request's now
         self.kv.record_lookup(request.num_prompt_tokens, num_tokens)
         request.num_computed_tokens = request.num_cached_tokens = num_tokens

@@ -35,11 +35,13 @@ from common.messages import (
     EngineRequest,
     ErrorKind,
     FinishReason,
+    LoadLoRAAdapter,
     PeerMessage,
     PoolRole,
     RequestOutput,
     ResetPrefixCache,
     SchedulerStats,
+    UnloadLoRAAdapter,
 )
 from common.process import freeze_startup_heap
 from common.shm import ServiceLock, new_service_id, remove_stale
@@ -222,6 +224,12 @@ class EngineCoreProc:
                 self._emit(self.core.cancel(message.request_id, message.owner))
             elif isinstance(message, ResetPrefixCache):
                 self.core.reset_prefix_cache()
+            elif isinstance(message, LoadLoRAAdapter):
+                self.core.loras.load(message.name, message.path)
+                self._publish()
+            elif isinstance(message, UnloadLoRAAdapter):
+                self.core.loras.unload(message.name)
+                self._publish()
             elif isinstance(message, tuple):  # from another instance's engine
                 replied = self.core.deliver(*message)
                 if replied:
@@ -273,6 +281,7 @@ class EngineCoreProc:
             if self.config.disagg.split
             else {},
             core.transfer_stats(),
+            core.loras.adapters,
         )
         return stats
 

@@ -66,7 +66,14 @@ def unified_instance(
         disagg.tensor_parallel_size,
     )
     leases = KVLeases(kv, side, channel, lease_s, stats, clock)
-    scheduler = Scheduler(config.scheduler, kv, ready.model, clock, lender=leases)
+    scheduler = Scheduler(
+        config.scheduler,
+        kv,
+        ready.model,
+        clock,
+        lender=leases,
+        max_loras=config.model.step_max_loras,
+    )
     times = PullTimes(instance.kv_connector_extra_config.ack_timeout_s, lease_s)
     destinations = [address for address in kv_addresses if address]
     policy = instance.kv_load_failure_policy

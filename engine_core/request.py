@@ -8,9 +8,19 @@ from common.messages import (
     EngineRequest,
     FinishReason,
     KVTransferParams,
+    LoRARequest,
     SamplingParams,
     TokenLogprobs,
 )
+
+
+def lora_cache_key(lora: LoRARequest | None) -> bytes:
+    """What an adapter adds to a request's block keys: its name and folder, as on every
+    instance of a fleet (not the engine-local id), so two adapters never share KV and an
+    adapter's prompts match across instances."""
+    if lora is None:
+        return b""
+    return b"\x00lora\x00" + lora.name.encode() + b"\x00" + lora.path.encode()
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,6 +45,7 @@ class Request:
         cache_salt: str | None = None,
         owner: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -52,7 +63,9 @@ class Request:
         self.num_output_placeholders = 0
         self.finish_reason: FinishReason | None = None
         self.sent_to_workers = False  # the workers hold state for it
-        self.cache_salt = (cache_salt or "").encode()  # hashed into every block key
+        # Hashed into every block key: the salt, and the adapter (its KV is its own).
+        self.cache_salt = (cache_salt or "").encode() + lora_cache_key(lora)
+        self.lora = lora
         self.owner = owner
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
@@ -79,6 +92,7 @@ class Request:
             r.cache_salt,
             r.owner,
             r.kv_transfer,
+            r.lora,
         )
 
     @property

@@ -50,6 +50,7 @@ from common.messages import (
 from engine_core.batching import make_batching
 from engine_core.iteration_tokens import IterationTokens
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
+from engine_core.lora_slots import LoRASlots, adapter_counts
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import RequestLimits
 from engine_core.request_queue import RequestQueue, make_queue
@@ -76,8 +77,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         hands_off: bool = False,
         lender: Lender | None = None,  # a prefill instance of a fleet's split
+        max_loras: int = 0,  # distinct LoRA adapters a step may run (0: LoRA off)
     ) -> None:
         self.config = config
+        self.lora_slots = LoRASlots(max_loras)
         self.lender = lender
         self.kv = kv
         self.model = model
@@ -187,7 +190,11 @@ class Scheduler:
         cached_data: list[CachedRequestData] = []
         new_data: list[NewRequestData] = []
         preempted = False
-        while self.incoming and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.incoming
+            and len(self.running) < self.config.max_num_seqs
+            and self._lora_fits(self.incoming[0])
+        ):
             request = self.incoming.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -274,8 +281,10 @@ class Scheduler:
             n = min(remaining, budget, self._prefill_cap)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break  # the whole prompt must fit in this step
-            if not self.kv.can_allocate(request.request_id, num_computed + n, hits):
-                break
+            if not self.kv.can_allocate(
+                request.request_id, num_computed + n, hits
+            ) or not self._lora_fits(request):
+                break  # in order: a later request never overtakes it
             self.waiting.pop()
             self.kv.allocate(request.request_id, num_computed + n, hits)
             self.kv.record_lookup(request.num_tokens, num_computed)
@@ -302,7 +311,12 @@ class Scheduler:
             list(self.kv.blocks_of(request.request_id)),
             request.num_computed_tokens,
             request.num_prompt_tokens,
+            request.lora,
         )
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether its adapter may run beside the running ones (``lora_slots.py``)."""
+        return self.lora_slots.admit(request.lora, (r.lora for r in self.running))
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """Tokens to verify after the one real token of a decoding request, within the
@@ -367,6 +381,7 @@ class Scheduler:
                     request.block_hashes,
                     request.num_computed_tokens,
                     request.token_ids,
+                    request.lora,
                 )
         for request_id, entries in result.prompt_logprobs.items():
             if request_id in in_step and self.requests.get(request_id) is in_step[request_id]:
@@ -517,4 +532,8 @@ class Scheduler:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
+            lora_running=adapter_counts(r.lora for r in self.running),
+            lora_waiting=adapter_counts(r.lora for r in (*self.waiting, *self.incoming)),
+            lora_swaps_total=self.lora_slots.num_swaps_total,
+            max_loras=self.lora_slots.max_loras,
         )

@@ -137,8 +137,9 @@ def build_topology(
         decode_kv = prefill_kv  # one block pool
     else:
         decode_kv = manager(PoolRole.DECODE)
-    prefill = Scheduler(sched, prefill_kv, first.model, clock, hands_off=True)
-    decode = Scheduler(sched, decode_kv, first.model, clock)
+    loras = config.model.step_max_loras
+    prefill = Scheduler(sched, prefill_kv, first.model, clock, hands_off=True, max_loras=loras)
+    decode = Scheduler(sched, decode_kv, first.model, clock, max_loras=loras)
     stats = HandoffStats()
     lease, policy = disagg.kv_transfer_lease_s, disagg.kv_load_failure_policy
     bytes_per_block = readies[PoolRole.DECODE].num_kv_bytes_per_block

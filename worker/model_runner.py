@@ -21,6 +21,7 @@ from common.config import AttentionBackend, CacheConfig
 from common.messages import (
     CachedRequestData,
     KVTransferResult,
+    LoRARequest,
     ModelInfo,
     ModelRunnerOutput,
     NewRequestData,
@@ -32,6 +33,7 @@ from worker.attention import build_metadata
 from worker.draft_verifier import SampleRow, num_accepted, rows_for
 from worker.kv_memory import SharedCaches, local_caches
 from worker.kv_transport import KVTransport, NoTransport
+from worker.lora_steps import NoAdapters, StepAdapters
 from worker.models.loader import load_model
 from worker.models.quantizers import WeightQuantizer
 from worker.ops import pick_ops
@@ -54,6 +56,7 @@ class RequestState:
     # verifies drafts); [None] when unseeded.
     generators: list[torch.Generator | None]
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
+    lora: LoRARequest | None = None  # the adapter its rows run with
 
 
 def read_model_info(model_dir: Path, max_model_len: int | None) -> ModelInfo:
@@ -91,17 +94,22 @@ class ModelRunner:
         kv_segment: str | None = None,
         tp: TensorParallel | None = None,
         quantizer: WeightQuantizer | None = None,
+        lora_capacity: int = 0,
     ) -> None:
         """``kv_segment``: map the KV caches from this shared-memory segment (split pools
         with ``--kv-transfer shm``) instead of allocating them here. ``tp``: this rank's
         place in its pool's tensor-parallel group (it holds and caches its shard only).
-        ``quantizer``: how to keep the projection weights (``--quantization``)."""
+        ``quantizer``: how to keep the projection weights (``--quantization``).
+        ``lora_capacity``: LoRA adapters kept loaded (``--max-cpu-loras``); 0: no LoRA."""
         self.device = device
         self.tp = tp or TensorParallel()
         self.ops = pick_ops(attention_backend, device)
         self.block_size = cache.block_size
         self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantizer)
         self.model_info = read_model_info(model_dir, max_model_len)
+        self.model_info.num_layers = self.model.num_layers
+        self.lora = StepAdapters(self.model, lora_capacity) if lora_capacity else NoAdapters()
+        self.model_info.lora_module_shapes = self.lora.module_shapes
         one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
         self.bytes_per_block = one_block * self.model.num_layers * dtype.itemsize
         self.num_kv_blocks = cache.num_kv_blocks or self._blocks_for_memory(cache.kv_cache_gb)
@@ -184,8 +192,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         spans: list[PromptSpan] = []
+        adapter_rows: list[tuple[LoRARequest | None, int, int]] = []
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             state = self.requests[request_id]
+            adapter_rows.append((state.lora, len(input_ids), num_tokens))
             drafts = step.draft_token_ids.get(request_id, [])
             start = state.num_computed_tokens
             end = start + num_tokens - len(drafts)  # the drafts follow its real tokens
@@ -212,12 +222,13 @@ class ModelRunner:
         if not input_ids:
             return ModelRunnerOutput(step.step_id, [], [])
         meta = build_metadata(block_tables, starts, lengths, self.block_size, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        with self.lora.rows(adapter_rows, self.device):
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_caches,
+                meta,
+            )
         prompt_lps = compute_prompt_logprobs(hidden, spans, self.model.compute_logits)
         if self.tp.rank > 0:
             prompt_lps = {}  # rank 0 reports them
@@ -303,6 +314,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 generators=[generator],
                 grammar=grammar,
+                lora=new.lora,
             )
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]

@@ -155,6 +155,7 @@ def _build_runner(
         kv_segment(config.disagg, pool, rank),
         tp,
         quantizer_for(config.model.quantization, config.model.model, config.model.gguf_activations),
+        config.model.worker_lora_capacity if config.model.enable_lora else 0,
     )
     runner.attach_transport(kv_transport(runner, config, pool, ctx, keys))
     runner.warm_up()

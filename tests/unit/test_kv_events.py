@@ -11,6 +11,7 @@ import zmq
 
 from common.config import TandemConfig
 from common.kv_events_config import KVEventsConfig, parse_kv_events_config
+from common.messages import LoRARequest
 from engine_core.kv_cache import KVCacheManager, extend_block_hashes
 from engine_core.kv_event_publisher import END_SEQ, KVEventStreams
 from engine_core.kv_events import (
@@ -21,6 +22,7 @@ from engine_core.kv_events import (
     KVEventLog,
     external_hash,
 )
+from engine_core.request import lora_cache_key
 from tests.stack import free_port_range
 from tests.unit import vllm_kv_event_structs as vllm
 
@@ -68,6 +70,26 @@ def test_newly_cached_blocks_are_announced_once_chained_to_their_parent() -> Non
         ),
     ]
     assert kv.events.take() == []
+
+
+def test_an_adapters_blocks_carry_its_lora_id_and_name() -> None:
+    """As vLLM's events do, so a router's index tells adapters' blocks apart; the hashes
+    themselves differ too (the adapter is hashed in, ``engine_core/request.py``)."""
+    kv = manager()
+    tokens = list(range(100, 108))
+    sql = LoRARequest("sql", 7, "/adapters/sql")
+    salted: list[bytes] = []
+    extend_block_hashes(salted, tokens, 4, lora_cache_key(sql))
+    assert not set(salted) & set(hashes(tokens))
+    kv.allocate("a", 8)
+    kv.cache_full_blocks("a", salted, 8, tokens, sql)
+    (stored,) = kv.events.take()
+    assert isinstance(stored, BlockStored)
+    assert (stored.lora_id, stored.lora_name) == (7, "sql")
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[stored]))
+    theirs = msgspec.msgpack.Decoder(vllm.KVEventBatch).decode(payload).events[0]
+    assert isinstance(theirs, vllm.BlockStored)
+    assert (theirs.lora_id, theirs.lora_name) == (7, "sql")
 
 
 def test_a_prefix_hit_announces_only_the_blocks_after_it() -> None:

@@ -11,9 +11,12 @@ from common.messages import (
     EngineInput,
     EngineRequest,
     FinishReason,
+    LoadLoRAAdapter,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
     SchedulerOutput,
+    UnloadLoRAAdapter,
     WorkerInput,
 )
 
@@ -36,6 +39,7 @@ def test_engine_request_encoding_is_pinned() -> None:
         None,  # cache_salt, appended after priority
         None,  # owner, appended after cache_salt
         None,  # kv_transfer (a fleet's prefill/decode split), appended after owner
+        None,  # lora (the request's LoRA adapter), appended after kv_transfer
     ]
 
 
@@ -44,6 +48,9 @@ def test_tagged_unions_round_trip() -> None:
     for message in (
         EngineRequest("r1", b"c", [5], SamplingParams(), 1.0),
         AbortRequests(["r1", "r2"]),
+        EngineRequest("r2", b"c", [5], SamplingParams(), 1.0, lora=LoRARequest("sql", 3, "/a")),
+        LoadLoRAAdapter("sql", "/a"),
+        UnloadLoRAAdapter("sql"),
     ):
         assert codec.decode(codec.encode(message)) == message
     work: Codec[WorkerInput] = Codec(WorkerInput)
