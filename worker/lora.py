@@ -30,6 +30,7 @@ from worker.lora_weights import (
     lora_module_shapes,
 )
 from worker.models.decoder import DecoderLayer, DecoderLM
+from worker.native import NativeKernels
 
 __all__ = [
     "LoRABatch",
@@ -43,27 +44,82 @@ __all__ = [
 ]
 
 
+# Where a step has at most this many adapter rows, the native SGMV kernel adds the
+# deltas (one call per projection, whatever the number of adapters); above it, as in a
+# long prefill, per-adapter matmuls reuse each factor across the rows and win.
+NATIVE_MAX_ROWS = 64
+
+
 class LoRABatch:
     """The current step's adapter rows: per adapter, the indices (long, on the model's
     device) of the step's flattened token rows that run with it. Rows of no adapter are
     absent. Owned by the model runner (``set`` before a forward, ``clear`` after); read
-    by every ``LoRALinear`` and by ``DecoderLM.forward``."""
+    by every ``LoRALinear`` and by ``DecoderLM.forward``. ``kernels``: the native
+    kernels where the worker runs them (``lora_sgmv_``), else None."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: NativeKernels | None = None) -> None:
+        self.kernels = kernels
         self.groups: tuple[tuple[LoRAWeights, torch.Tensor], ...] = ()
+        # The native kernel's view of the groups: their rows end to end, and where each
+        # group starts (None: the step takes the matmul path).
+        self._segments: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._no_factors: dict[tuple[int, int], LoRAFactors] = {}
 
     def set(self, groups: list[tuple[LoRAWeights, torch.Tensor]]) -> None:
         """The rows of each adapter for the next forward (each row in one group at most:
         a row of two groups would get both deltas)."""
         self.groups = tuple((weights, rows) for weights, rows in groups if rows.numel())
+        self._segments = None
+        num_rows = sum(rows.numel() for _, rows in self.groups)
+        if self.kernels is not None and 0 < num_rows <= NATIVE_MAX_ROWS:
+            sizes = [0] + [rows.numel() for _, rows in self.groups]
+            starts = torch.tensor(sizes, dtype=torch.long).cumsum(0)
+            self._segments = torch.cat([rows for _, rows in self.groups]), starts
 
     def clear(self) -> None:
         self.groups = ()
+        self._segments = None
 
     @property
     def active(self) -> bool:
         """Whether any row of the step runs with an adapter."""
         return bool(self.groups)
+
+    def add_deltas(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
+        """``y[rows] += lora_B(lora_A(x[rows])) * scaling`` for each adapter's rows, in
+        place: the scaling after both matmuls, as PEFT applies it."""
+        if self._segments is not None and self.kernels is not None:
+            rows, starts = self._segments
+            factors = [
+                w.layers[layer].get(projection) or self._none(x.shape[1], y.shape[1])
+                for w, _ in self.groups
+            ]
+            scales = [w.scaling for w, _ in self.groups]
+            self.kernels.lora_sgmv_(
+                y,
+                x.contiguous(),
+                rows,
+                starts,
+                [f.a for f in factors],
+                [f.bt for f in factors],
+                [f.blocks for f in factors],
+                scales,
+            )
+            return
+        for weights, rows in self.groups:
+            f = weights.layers[layer].get(projection)
+            if f is not None:
+                delta = F.linear(F.linear(x.index_select(0, rows).float(), f.a), f.b)
+                y.index_add_(0, rows, (delta * weights.scaling).to(y.dtype))
+
+    def _none(self, in_features: int, out_features: int) -> LoRAFactors:
+        """Rank-0 factors for a group whose adapter leaves a projection alone: the kernel
+        adds it an exact zero."""
+        key = (in_features, out_features)
+        if key not in self._no_factors:
+            a, b = torch.zeros(0, in_features), torch.zeros(out_features, 0)
+            self._no_factors[key] = LoRAFactors.of(a, b, [])
+        return self._no_factors[key]
 
 
 class LoRALinear(nn.Module):
@@ -79,12 +135,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        for weights, rows in self.batch.groups:
-            factors = weights.layers[self.layer_index].get(self.projection)
-            if factors is not None:
-                # Scaling after both matmuls, as PEFT applies it.
-                delta = F.linear(F.linear(x.index_select(0, rows), factors.a), factors.b)
-                y.index_add_(0, rows, delta * weights.scaling)
+        if self.batch.groups:
+            self.batch.add_deltas(y, x, self.layer_index, self.projection)
         return y
 
     def extra_repr(self) -> str:

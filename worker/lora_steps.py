@@ -16,6 +16,7 @@ import torch
 from common.messages import LoRARequest
 from worker.lora import LoRABatch, LoRACache, attach_lora, lora_module_shapes
 from worker.models.base import CausalLM
+from worker.native import NativeKernels
 
 # (adapter or None, first row, number of rows) per request of a step, in batch order.
 AdapterRows = Sequence[tuple[LoRARequest | None, int, int]]
@@ -32,8 +33,8 @@ class NoAdapters:
 
 
 class StepAdapters:
-    def __init__(self, model: CausalLM, capacity: int) -> None:
-        self.batch = LoRABatch()
+    def __init__(self, model: CausalLM, capacity: int, kernels: NativeKernels | None) -> None:
+        self.batch = LoRABatch(kernels)
         attach_lora(model, self.batch)  # type: ignore[arg-type]
         self.cache = LoRACache(model, capacity)  # type: ignore[arg-type]
         self.module_shapes = lora_module_shapes(model)  # type: ignore[arg-type]

@@ -37,11 +37,26 @@ PROJECTIONS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class LoRAFactors:
-    """One fused projection's factors on this rank: ``a`` [r_total, in], ``b`` [out,
-    r_total] (in and out as this rank's projection takes and gives them)."""
+    """One fused projection's factors on this rank, in float32 whatever the model's
+    dtype (small matmuls are slow in bfloat16 here, and the delta is rounded once, when
+    added): ``a`` [r_total, in], ``b`` [out, r_total] and ``bt``, ``b`` transposed and
+    contiguous, as the native SGMV kernel reads it (in and out as this rank's projection
+    takes and gives them)."""
 
     a: torch.Tensor
     b: torch.Tensor
+    bt: torch.Tensor
+    # int64 [parts, 4]: each part's (first rank, end rank, first output, end output), the
+    # only blocks of ``b`` that are not zero.
+    blocks: torch.Tensor
+
+    @staticmethod
+    def of(
+        a: torch.Tensor, b: torch.Tensor, blocks: list[tuple[int, int, int, int]]
+    ) -> LoRAFactors:
+        return LoRAFactors(
+            a, b, b.t().contiguous(), torch.tensor(blocks, dtype=torch.long).reshape(-1, 4)
+        )
 
 
 @dataclass(frozen=True)
@@ -95,11 +110,9 @@ def load_lora_weights(request: LoRARequest, model: DecoderLM) -> LoRAWeights:
         for projection, parts in PROJECTIONS.items():
             factors = _fuse(tensors, model, shapes, layer, parts)
             if factors is not None:
-                a, b = factors
-                fused[projection] = LoRAFactors(
-                    a.to(device=like.device, dtype=like.dtype).contiguous(),
-                    b.to(device=like.device, dtype=like.dtype).contiguous(),
-                )
+                a, b, blocks = factors
+                a, b = a.to(like.device).contiguous(), b.to(like.device).contiguous()
+                fused[projection] = LoRAFactors.of(a, b, blocks)
         layers.append(fused)
     return LoRAWeights(request, config, tuple(layers))
 
@@ -110,9 +123,9 @@ def _fuse(
     shapes: dict[str, tuple[int, int]],
     layer: int,
     parts: tuple[str, ...],
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(A stacked, B block-diagonal) of ``parts`` of ``layer``, this rank's shard; None
-    where the adapter changes none of them."""
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]] | None:
+    """(A stacked, B block-diagonal, B's nonzero blocks) of ``parts`` of ``layer``, this
+    rank's shard; None where the adapter changes none of them."""
     a_parts, b_parts = [], []
     for part in parts:
         path = f"model.layers.{layer}.{PARENTS[part]}.{part}"
@@ -137,4 +150,9 @@ def _fuse(
         b_parts.append(b.float())
     if all(a.shape[0] == 0 for a in a_parts):
         return None
-    return torch.cat(a_parts), torch.block_diag(*b_parts)
+    blocks, rank, first = [], 0, 0
+    for a, b in zip(a_parts, b_parts, strict=True):
+        if a.shape[0]:
+            blocks.append((rank, rank + a.shape[0], first, first + b.shape[0]))
+        rank, first = rank + a.shape[0], first + b.shape[0]
+    return torch.cat(a_parts), torch.block_diag(*b_parts), blocks

@@ -36,7 +36,7 @@ from worker.kv_transport import KVTransport, NoTransport
 from worker.lora_steps import NoAdapters, StepAdapters
 from worker.models.loader import load_model
 from worker.models.quantizers import WeightQuantizer
-from worker.ops import pick_ops
+from worker.ops import NativeOps, pick_ops
 from worker.parallel import TensorParallel
 from worker.prompt_logprobs import PromptSpan, compute_prompt_logprobs, prompt_span
 from worker.sampler import SamplingBatch, sample
@@ -108,7 +108,10 @@ class ModelRunner:
         self.model = load_model(model_dir, dtype, device, self.ops, self.tp, quantizer)
         self.model_info = read_model_info(model_dir, max_model_len)
         self.model_info.num_layers = self.model.num_layers
-        self.lora = StepAdapters(self.model, lora_capacity) if lora_capacity else NoAdapters()
+        kernels = self.ops.kernels if isinstance(self.ops, NativeOps) else None
+        self.lora = (
+            StepAdapters(self.model, lora_capacity, kernels) if lora_capacity else NoAdapters()
+        )
         self.model_info.lora_module_shapes = self.lora.module_shapes
         one_block = math.prod(self.model.kv_cache_shape(1, self.block_size))
         self.bytes_per_block = one_block * self.model.num_layers * dtype.itemsize

@@ -63,6 +63,7 @@ SOURCES = [
         "int8_linear.cpp",
         "int8_amx.cpp",
         "parallel_trace.cpp",
+        "lora_sgmv.cpp",
     )
 ]
 HEADERS = [
@@ -167,6 +168,18 @@ class NativeKernels(Protocol):
     ) -> None: ...
 
     def act_mul(self, gate_up: torch.Tensor, activation: int) -> torch.Tensor: ...
+
+    def lora_sgmv_(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        group_starts: torch.Tensor,
+        a: list[torch.Tensor],
+        bt: list[torch.Tensor],
+        blocks: list[torch.Tensor],
+        scales: list[float],
+    ) -> None: ...
 
     def apply_token_bitmask_(self, logits: torch.Tensor, mask: torch.Tensor) -> None: ...
 

@@ -30,6 +30,13 @@ inline Activation activation_of(int64_t code) {
   return static_cast<Activation>(code);
 }
 at::Tensor act_mul(const at::Tensor& gate_up, int64_t activation);
+// LoRA deltas in place: y[rows[i]] += scales[g] * bt[g]^T (a[g] x[rows[i]]) for the rows
+// i of group g, [group_starts[g], group_starts[g + 1]); a [r, in], bt [r, out] float32,
+// nonzero only in blocks[g]'s (r_lo, r_hi, o_lo, o_hi) rectangles.
+void lora_sgmv_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                const at::Tensor& group_starts, const std::vector<at::Tensor>& a,
+                const std::vector<at::Tensor>& bt, const std::vector<at::Tensor>& blocks,
+                const std::vector<double>& scales);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& mask);
 at::Tensor argmax_rows(const at::Tensor& x);
 bool has_bf16_gemv();

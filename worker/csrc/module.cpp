@@ -113,6 +113,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos"), py::arg("sin"), py::arg("phase_seconds"));
   m.def("decode_rows_phases", &decode_rows_phases,
         "the phases of decode_rows' step, in the order its phase_seconds holds them");
+  m.def("lora_sgmv_", &lora_sgmv_,
+        "LoRA deltas of each group's adapter added in place to its rows of y (SGMV)",
+        py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("group_starts"), py::arg("a"),
+        py::arg("bt"), py::arg("blocks"), py::arg("scales"));
   m.def("parallel_steal_trace", &parallel_steal_trace,
         "tandem::parallel_steal over tasks that wait costs_us[i] microseconds: [tasks, 2] of "
         "(times run, thread that ran it)",
