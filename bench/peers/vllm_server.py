@@ -52,10 +52,14 @@ def _env(path: Path, threads_bind: str) -> dict[str, str]:
 
 @contextmanager
 def vllm_server(
-    max_num_seqs: int, threads_bind: str = "auto", model_dir: Path | None = None
+    max_num_seqs: int,
+    threads_bind: str = "auto",
+    model_dir: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, int]]:
     """Yields the URL and pid of a vLLM OpenAI server on SmolLM2 in bfloat16 (or on
-    ``model_dir``, a checkpoint of it: a W8A8 one runs its int8 projections)."""
+    ``model_dir``, a checkpoint of it: a W8A8 one runs its int8 projections); ``extra``:
+    more of its flags (LoRA adapters)."""
     path = venv()
     if path is None:
         raise FileNotFoundError("vLLM for CPU is not installed (run `make bench-peers`)")
@@ -79,6 +83,7 @@ def vllm_server(
         "--max-model-len",
         "2048",
         "--no-enable-prefix-caching",  # points reuse the same prompts
+        *extra,
     ]
     started = time.time() - 1  # a file's mtime may be rounded down
     proc = subprocess.Popen(

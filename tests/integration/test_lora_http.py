@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.parity.families import build_servable
 from tests.parity.ties import assert_greedy_parity
-from tests.stack import TandemStack
+from tests.stack import CPU_WORKERS, TandemStack
 
 MODEL = "tiny-llama"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -259,3 +259,40 @@ def test_bad_adapters_are_refused_by_name_and_the_server_serves_on(
     assert answer.status_code == 200
     unknown = httpx.post(f"{stack.url}/v1/completions", json={"model": "nope", "prompt": ids})
     assert unknown.status_code == 404 and "'qv'" in unknown.json()["error"]["message"]
+
+
+TOPOLOGIES = {
+    "tp2": ["--tensor-parallel-size", "2"],
+    # The hand-off names the adapter: the decode pool (two ranks, each its shard of A/B)
+    # continues each request on its own adapter.
+    "split-tcp-decode-tp2": [
+        *("--prefill-workers", "1", "--decode-workers", "1", "--kv-transfer", "tcp"),
+        *("--decode-tp", "2", "--disagg-min-prompt-tokens", "0"),
+    ],
+}
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_split_pools_and_tensor_parallelism_match_peft(
+    topology: str, checkpoint: Path, adapters: dict[str, Path], reference: Reference
+) -> None:
+    flags = ["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
+    flags += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--lora-modules"]
+    flags += [f"{name}={adapters[name]}" for name in ("all", "rs")]
+    jobs = [(("all", "rs", None)[i % 3], prompt(40 + i)) for i in range(6)]
+
+    async def run(url: str) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(
+                *(complete(client, m or MODEL, ids, return_token_ids=True) for m, ids in jobs)
+            )
+
+    with TandemStack(*flags, *TOPOLOGIES[topology], env=CPU_WORKERS) as stack:
+        answers = asyncio.run(run(stack.url))
+        stats = httpx.get(f"{stack.url}/stats").json()
+    for (adapter, ids), answer in zip(jobs, answers, strict=True):
+        fn = reference.logprobs_fn(adapter)
+        ours = answer["choices"][0]["token_ids"]
+        assert_greedy_parity(ids, ours, reference.greedy(adapter, ids), fn, fn)
+    if "pools" in stats:
+        assert stats["kv_transfers"]["outcomes"].get("done", 0) > 0
