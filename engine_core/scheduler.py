@@ -261,6 +261,7 @@ class Scheduler:
         self, budget: int, num_scheduled: dict[str, int], new_data: list[NewRequestData]
     ) -> int:
         quota = self.batching.quota(len(self.waiting), len(self.running))
+        skipped: list[Request] = []
         while (
             quota > 0
             and len(self.waiting)
@@ -281,10 +282,13 @@ class Scheduler:
             n = min(remaining, budget, self._prefill_cap)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break  # the whole prompt must fit in this step
-            if not self.kv.can_allocate(
-                request.request_id, num_computed + n, hits
-            ) or not self._lora_fits(request):
-                break  # in order: a later request never overtakes it
+            if not self.kv.can_allocate(request.request_id, num_computed + n, hits):
+                break
+            if not self._lora_fits(request):
+                # Its adapter has no slot while the running requests hold them all: the
+                # requests behind it go first (as vLLM); it keeps its place in the queue.
+                skipped.append(self.waiting.pop())
+                continue
             self.waiting.pop()
             self.kv.allocate(request.request_id, num_computed + n, hits)
             self.kv.record_lookup(request.num_tokens, num_computed)
@@ -301,6 +305,8 @@ class Scheduler:
             new_data.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
+        for request in reversed(skipped):
+            self.waiting.readd_preempted(request)  # back where each was, in order
         return budget
 
     def _new_request_data(self, request: Request) -> NewRequestData:
