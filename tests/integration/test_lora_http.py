@@ -296,3 +296,35 @@ def test_split_pools_and_tensor_parallelism_match_peft(
         assert_greedy_parity(ids, ours, reference.greedy(adapter, ids), fn, fn)
     if "pools" in stats:
         assert stats["kv_transfers"]["outcomes"].get("done", 0) > 0
+
+
+def test_runtime_changes_need_the_opt_in_and_with_keys_an_admin_key(
+    checkpoint: Path, adapters: dict[str, Path]
+) -> None:
+    flags = ["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
+    flags += ["--enable-lora", "--api-key", "user-key"]
+    load = {"lora_name": "qv", "lora_path": str(adapters["qv"])}
+    user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
+    env = {**CPU_WORKERS, "TANDEM_ADMIN_API_KEYS": "admin-key"}
+    with TandemStack(*flags, env=env) as stack:  # no --allow-runtime-lora-updating
+        off = httpx.post(f"{stack.url}/v1/load_lora_adapter", json=load, headers=admin)
+        assert off.status_code == 403 and "--allow-runtime-lora-updating" in off.text
+    with TandemStack(*flags, "--allow-runtime-lora-updating", env=env) as stack:
+        url = stack.url
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 401
+        refused = httpx.post(f"{url}/v1/load_lora_adapter", json=load, headers=user)
+        assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["type"] == "permission_error"
+        assert (
+            httpx.post(f"{url}/v1/load_lora_adapter", json=load, headers=admin).status_code == 200
+        )
+        body = {"model": "qv", "prompt": prompt(1), "max_tokens": 4, "temperature": 0}
+        for key in (user, admin):  # an admin key passes wherever an API key does
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=key).status_code == 200
+        gone = {"lora_name": "qv"}
+        assert (
+            httpx.post(f"{url}/v1/unload_lora_adapter", json=gone, headers=user).status_code == 403
+        )
+        assert (
+            httpx.post(f"{url}/v1/unload_lora_adapter", json=gone, headers=admin).status_code == 200
+        )
