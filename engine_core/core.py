@@ -118,7 +118,7 @@ class EngineCore:
         """Queue a request in the pool that should prefill it; an output only if refused."""
         assert self.model is not None and self.topology is not None, "start() first"
         invalid = request_error(message, self.model)
-        if message.lora is not None and not self.config.model.enable_lora:
+        if invalid is None and message.lora is not None and not self.config.model.enable_lora:
             invalid = "this server runs no LoRA adapters (start it with --enable-lora)"
         if invalid is not None:
             logger.warning("[%s] refused: %s", message.request_id, invalid)

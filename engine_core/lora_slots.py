@@ -3,9 +3,10 @@
 The scheduler asks ``admit`` before a request with an adapter joins the running batch.
 An adapter already resident is free; a new one takes a free slot, or the slot of the
 least recently used adapter that no running request still uses (a swap); with every
-slot busy the request waits (the scheduler lets the requests behind it go first). So no step ever runs more distinct adapters than are
-resident, and the workers' caches (``--max-cpu-loras`` >= ``--max-loras``) always hold
-them. Requests without an adapter never wait here.
+slot busy the request waits (the scheduler lets the requests behind it go first). So no
+step ever runs more distinct adapters than are resident, and the workers' caches
+(``--max-cpu-loras`` >= ``--max-loras``) always hold them. Requests without an adapter
+never wait here.
 """
 
 from __future__ import annotations

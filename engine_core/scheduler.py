@@ -516,6 +516,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         spec = self.speculation.counters
+        lora_on = self.lora_slots.max_loras > 0
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + len(self.incoming),
@@ -538,8 +539,11 @@ class Scheduler:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
-            lora_running=adapter_counts(r.lora for r in self.running),
-            lora_waiting=adapter_counts(r.lora for r in (*self.waiting, *self.incoming)),
+            # Only with LoRA on: a priority queue's iteration sorts it, on every output.
+            lora_running=adapter_counts(r.lora for r in self.running) if lora_on else {},
+            lora_waiting=(
+                adapter_counts(r.lora for r in (*self.waiting, *self.incoming)) if lora_on else {}
+            ),
             lora_swaps_total=self.lora_slots.num_swaps_total,
             max_loras=self.lora_slots.max_loras,
         )

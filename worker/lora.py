@@ -1,9 +1,11 @@
 """LoRA adapters on the worker: rows of several adapters and of the base model in one
-forward (the SGMV idea of Punica and vLLM, in PyTorch ops).
+forward (the SGMV idea of Punica and vLLM).
 
 ``attach_lora`` wraps each layer's four projections once, in ``LoRALinear``: the base
 projection runs over every row of the step as before, then each adapter of the step adds
-its delta to its own rows only (gather the rows, two thin matmuls, ``index_add_``). Which
+its delta to its own rows only: for a few rows one native call for every adapter
+(``lora_sgmv_``, ``worker/csrc/lora_sgmv.cpp``), for many (a long prefill) per adapter
+the rows gathered, two thin matmuls and an ``index_add_``. Which
 rows run with which adapter is the step's ``LoRABatch``, set by the model runner before
 the forward and cleared after; the wrapped projections and the model hold it by
 reference, so there is no global state. A step with no adapter rows runs the base
@@ -109,7 +111,7 @@ class LoRABatch:
         for weights, rows in self.groups:
             f = weights.layers[layer].get(projection)
             if f is not None:
-                delta = F.linear(F.linear(x.index_select(0, rows).float(), f.a), f.b)
+                delta = F.linear(x.index_select(0, rows).float(), f.a) @ f.bt
                 y.index_add_(0, rows, (delta * weights.scaling).to(y.dtype))
 
     def _none(self, in_features: int, out_features: int) -> LoRAFactors:

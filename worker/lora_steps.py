@@ -16,6 +16,7 @@ import torch
 from common.messages import LoRARequest
 from worker.lora import LoRABatch, LoRACache, attach_lora, lora_module_shapes
 from worker.models.base import CausalLM
+from worker.models.decoder import DecoderLM
 from worker.native import NativeKernels
 
 # (adapter or None, first row, number of rows) per request of a step, in batch order.
@@ -34,10 +35,12 @@ class NoAdapters:
 
 class StepAdapters:
     def __init__(self, model: CausalLM, capacity: int, kernels: NativeKernels | None) -> None:
+        if not isinstance(model, DecoderLM):  # every family served is one
+            raise ValueError(f"LoRA adapters are served on decoder models, not {type(model)}")
         self.batch = LoRABatch(kernels)
-        attach_lora(model, self.batch)  # type: ignore[arg-type]
-        self.cache = LoRACache(model, capacity)  # type: ignore[arg-type]
-        self.module_shapes = lora_module_shapes(model)  # type: ignore[arg-type]
+        attach_lora(model, self.batch)
+        self.cache = LoRACache(model, capacity)
+        self.module_shapes = lora_module_shapes(model)
 
     @contextmanager
     def rows(self, adapter_rows: AdapterRows, device: torch.device) -> Iterator[None]:

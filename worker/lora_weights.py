@@ -39,23 +39,23 @@ PROJECTIONS: dict[str, tuple[str, ...]] = {
 class LoRAFactors:
     """One fused projection's factors on this rank, in float32 whatever the model's
     dtype (small matmuls are slow in bfloat16 here, and the delta is rounded once, when
-    added): ``a`` [r_total, in], ``b`` [out, r_total] and ``bt``, ``b`` transposed and
-    contiguous, as the native SGMV kernel reads it (in and out as this rank's projection
-    takes and gives them)."""
+    added): ``a`` [r_total, in] and ``bt``, B [out, r_total] transposed and contiguous,
+    as the native SGMV kernel reads it and a matmul takes it (in and out as this rank's
+    projection takes and gives them)."""
 
     a: torch.Tensor
-    b: torch.Tensor
     bt: torch.Tensor
     # int64 [parts, 4]: each part's (first rank, end rank, first output, end output), the
-    # only blocks of ``b`` that are not zero.
+    # only blocks of B that are not zero.
     blocks: torch.Tensor
 
     @staticmethod
     def of(
         a: torch.Tensor, b: torch.Tensor, blocks: list[tuple[int, int, int, int]]
     ) -> LoRAFactors:
+        """From A and B as PEFT holds them (B [out, r_total])."""
         return LoRAFactors(
-            a, b, b.t().contiguous(), torch.tensor(blocks, dtype=torch.long).reshape(-1, 4)
+            a, b.t().contiguous(), torch.tensor(blocks, dtype=torch.long).reshape(-1, 4)
         )
 
 

@@ -37,7 +37,7 @@ def reference(
     out = y.clone()
     for f, scale, rows in groups:
         index = torch.tensor(rows)
-        delta = F.linear(F.linear(x.index_select(0, index).float(), f.a), f.b) * scale
+        delta = F.linear(F.linear(x.index_select(0, index).float(), f.a), f.bt.t()) * scale
         out[index] = (y.index_select(0, index).float() + delta).to(y.dtype)
     return out
 
