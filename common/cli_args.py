@@ -17,6 +17,7 @@ from common.config import (
 )
 from common.env_flags import apply_env_defaults
 from common.lora_config import add_lora_args
+from common.model_set_config import ModelsAction, add_model_set_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +26,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument(
         "--model",
-        default=d.model.model,
+        action=ModelsAction,
+        default=[d.model.model],
         help="embedded model name (smollm2-135m-instruct) or a local Hugging Face "
-        "directory with config.json and safetensors (default: %(default)s)",
+        f"directory with config.json and safetensors (default: {d.model.model}); give it "
+        "again to serve several models, each routed to by its name (--models-max)",
     )
     m.add_argument(
         "--served-model-name",
@@ -103,6 +106,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "holding a generation_config.json (default: %(default)s)",
     )
     add_lora_args(parser, d.model.max_loras, d.model.max_lora_rank)
+    add_model_set_args(parser)
     c = parser.add_argument_group("KV cache")
     c.add_argument(
         "--block-size",

@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 from common.config_checks import is_private_address, require
 from common.kv_events_config import KVEventsConfig, parse_kv_events_config
+from common.kv_transfer_config import KVRole
 from common.lora_config import LoRAModule, check_lora_flags, parse_lora_module
 from common.messages import PoolRole
+from common.model_set_config import ModelSetConfig, check_model_set
 from common.pool_config import DisaggConfig
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -339,8 +341,14 @@ class TandemConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     addresses: EngineAddresses = field(default_factory=EngineAddresses)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    model_set: ModelSetConfig = field(default_factory=ModelSetConfig)
 
     def __post_init__(self) -> None:
+        check_model_set(self.model_names, self.model.served_model_name, self.model.enable_lora)
+        require(
+            len(self.model_names) == 1 or self.disagg.instance_kv.role is KVRole.NONE,
+            "--kv-transfer-config serves one model: give one --model",
+        )
         # The pools' and the KV hand-off's sockets carry prompts and KV: the same rule as
         # the engine's own sockets (and the same keys encrypt them).
         d = self.disagg
@@ -376,9 +384,24 @@ class TandemConfig:
             return self.model.served_model_name
         return os.path.basename(os.path.normpath(self.model.model))
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every ``--model``, in order (several: ``common/model_set_config.py``)."""
+        return (self.model.model, *self.model_set.more_models)
+
+    def for_model(self, model: str) -> TandemConfig:
+        """This config serving ``model`` alone (a model router's service for it)."""
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, model=model),
+            model_set=dataclasses.replace(self.model_set, more_models=()),
+        )
+
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> TandemConfig:
-        values = vars(args)
+        # --model is repeatable: the first is the model, the rest the model set's.
+        models = list(getattr(args, "model", None) or [DEFAULT_MODEL])
+        values = {**vars(args), "model": models[0], "more_models": models[1:]}
 
         def build(cls: Any) -> Any:
             # argparse gives repeatable flags as lists; the config holds tuples (frozen).
@@ -405,6 +428,7 @@ class TandemConfig:
             server=ServerConfig(**server),
             addresses=build(EngineAddresses),
             disagg=build(DisaggConfig),
+            model_set=build(ModelSetConfig),
         )
 
     def with_disagg(self, **changes: Any) -> TandemConfig:
@@ -421,13 +445,21 @@ class TandemConfig:
     def to_cli_args(self) -> list[str]:
         """Flags that ``from_cli_args`` turns back into an equal config."""
         argv: list[str] = []
-        groups = (self.model, self.cache, self.scheduler, self.server, self.addresses, self.disagg)
+        groups = (
+            self.model,
+            self.cache,
+            self.scheduler,
+            self.server,
+            self.addresses,
+            self.disagg,
+            self.model_set,
+        )
         for group in groups:
             for f in dataclasses.fields(group):
                 if f.metadata.get("secret"):
                     continue
                 value = getattr(group, f.name)
-                flag = "--" + f.name.replace("_", "-")
+                flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
                 if isinstance(value, tuple):  # repeatable flags
                     for item in value:
                         argv += [flag, str(item)]

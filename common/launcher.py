@@ -9,6 +9,9 @@ answer in-flight and new requests with errors), then are stopped, and the launch
 exits non-zero with one line naming the process and the cause. Started by a supervisor
 that sets ``TANDEM_PARENT_PID`` to its own pid (the test suite, the benchmarks), the
 launcher stops everything at once when that parent dies, as its own children do.
+
+With several ``--model``s it starts the model router instead (``api_server/model_router.py``),
+which starts a ``tandem serve`` per model and routes by the request's ``model``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from types import FrameType
 from common.config import API_KEYS_ENV, EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
 from common.model_files import gguf_source, resolve_model_dir
+from common.model_set_config import model_name_of
 from common.process import (
     EXIT_ENGINE_DIED,
     EXIT_REASON_ENV,
@@ -145,17 +149,39 @@ class Service:
         return f"{name} (pid {proc.pid}) {how}" + (f" ({cause})" if cause else "")
 
 
+def _start_one_model(service: Service, config: TandemConfig, served_name: str) -> TandemConfig:
+    """The engine core (which starts its workers) and the API servers of one model."""
+    model_dir = resolve_model_dir(config.model.model)
+    config = config.with_model_path(str(model_dir), served_name)
+    if not config.addresses.input_address:
+        config = config.with_addresses(EngineAddresses.ipc_in(service.runtime_dir))
+    args = config.to_cli_args()
+    service.start("engine_core", "engine_core", args, small_thread_env())
+    api_env = _with_keys(small_thread_env(), config)
+    if config.server.api_server_count > 1:  # per-request metrics summed across them
+        metrics_dir = os.path.join(service.runtime_dir, "prometheus")
+        os.makedirs(metrics_dir)
+        api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    for i in range(config.server.api_server_count):  # all on one port (SO_REUSEPORT)
+        service.start("api_server" if i == 0 else f"api_server-{i}", "api_server", args, api_env)
+    return config
+
+
+def _with_keys(env: dict[str, str], config: TandemConfig) -> dict[str, str]:
+    if config.server.api_keys:  # secrets travel by environment, never on a command line
+        env[API_KEYS_ENV] = ",".join(config.server.api_keys)
+    return env
+
+
 def serve(config: TandemConfig) -> int:
     # Resolve (and convert, once) before any child starts, so none of them waits on it.
     served_name = config.served_model_name
-    model_dir = resolve_model_dir(config.model.model)
-    if config.model.quantization == "gguf":  # found (an assembled one: made) once, or refused
-        gguf_source(config.model.model)
+    for model in config.model_names:  # an unknown one is refused before anything starts
+        resolve_model_dir(model)
+        if config.model.quantization == "gguf":  # found (an assembled one: made) once
+            gguf_source(model)
     check_port_free(config.server.host, config.server.port)
     runtime_dir = make_runtime_dir()
-    config = config.with_model_path(str(model_dir), served_name)
-    if not config.addresses.input_address:
-        config = config.with_addresses(EngineAddresses.ipc_in(runtime_dir))
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(PARENT_DIED, _raise_parent_died)
@@ -163,19 +189,13 @@ def serve(config: TandemConfig) -> int:
     hurry = _Hurry()
     try:
         die_with_parent()
-        args = config.to_cli_args()
-        service.start("engine_core", "engine_core", args, small_thread_env())
-        api_env = small_thread_env()
-        if config.server.api_server_count > 1:  # per-request metrics summed across them
-            metrics_dir = os.path.join(runtime_dir, "prometheus")
-            os.makedirs(metrics_dir)
-            api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        if config.server.api_keys:  # secrets travel by environment, never on a command line
-            api_env[API_KEYS_ENV] = ",".join(config.server.api_keys)
-        for i in range(config.server.api_server_count):  # all on one port (SO_REUSEPORT)
-            service.start(
-                "api_server" if i == 0 else f"api_server-{i}", "api_server", args, api_env
-            )
+        if len(config.model_names) > 1:  # a model router, which starts a service per model
+            args = config.to_cli_args()
+            env = _with_keys(dict(os.environ), config)
+            service.start("model_router", "api_server.model_router", args, env)
+            served_name = ", ".join(model_name_of(m) for m in config.model_names)
+        else:
+            config = _start_one_model(service, config, served_name)
         logger.info(
             "serving %s on http://%s:%d (%s)",
             served_name,
@@ -206,8 +226,14 @@ def serve(config: TandemConfig) -> int:
 
 
 def _drain(service: Service, timeout_s: float, hurry: _Hurry) -> None:
-    """API servers first (they finish or fail their requests), then the engine core."""
-    for group, wait_s in (("api_server", timeout_s + 10.0), ("engine_core", _ENGINE_STOP_S)):
+    """API servers (or the model router) first: they finish or fail their requests; then
+    the engine core."""
+    groups = (
+        ("model_router", timeout_s + _ENGINE_STOP_S + 10.0),
+        ("api_server", timeout_s + 10.0),
+        ("engine_core", _ENGINE_STOP_S),
+    )
+    for group, wait_s in groups:
         procs = [p for p in service.named(group) if p.poll() is None]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)

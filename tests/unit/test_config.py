@@ -122,3 +122,41 @@ def test_split_pools_take_a_width_each(capsys: pytest.CaptureFixture[str]) -> No
         with pytest.raises(SystemExit):
             parse_config(["--model", "m", *bad])
         assert why in capsys.readouterr().err
+
+
+def test_several_models_parse_round_trip_and_each_serves_alone() -> None:
+    config = parse_config(["--model", "/m/a", "--model", "b", "--models-max", "1"])
+    assert config.model_names == ("/m/a", "b") and config.model_set.models_max == 1
+    assert parse_config(config.to_cli_args()) == config
+    alone = config.for_model("b")
+    assert alone.model_names == ("b",) and alone.served_model_name == "b"
+    assert alone.model_set.models_max == 1 and alone.scheduler == config.scheduler
+
+
+def test_the_command_lines_models_replace_the_environments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TANDEM_MODEL", "a,b")
+    assert parse_config([]).model_names == ("a", "b")
+    assert parse_config(["--model", "c"]).model_names == ("c",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/x/m", "--model", "/y/m"], "--model names m more than once"),
+        (["--model", "a", "--model", "b", "--served-model-name", "c"], "--served-model-name"),
+        (["--model", "a", "--model", "b", "--enable-lora"], "--enable-lora serves adapters"),
+        (["--model", "a", "--model", "b", "--models-max", "-1"], "--models-max must not be"),
+        (
+            ["--model", "a", "--model", "b", "--kv-transfer-config", '{"kv_role": "kv_both"}'],
+            "--kv-transfer-config serves one model",
+        ),
+    ],
+)
+def test_what_several_models_refuse(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    assert message in capsys.readouterr().err
