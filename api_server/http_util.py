@@ -6,7 +6,7 @@ import asyncio
 import functools
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -85,6 +85,14 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+@runtime_checkable
+class Discardable(Protocol):
+    """A response that holds something until it has been sent (a model router's hold on
+    a model): ``discard`` lets it go when the response will never be sent."""
+
+    async def discard(self) -> None: ...
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -112,6 +120,11 @@ def cancel_on_disconnect(
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+            # a handler may finish all the same (its cancel came too late): what it
+            # holds for the answer nobody will read is let go
+            late = None if work.cancelled() or work.exception() else work.result()
+            if isinstance(late, Discardable):
+                await late.discard()
             return Response(status_code=499)  # nobody is listening any more
         return work.result()
 

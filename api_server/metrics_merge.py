@@ -48,12 +48,21 @@ def _router_families(services: Iterable[ModelService]) -> list[Metric]:
     return [loaded, loads, unloads]
 
 
-def merged_exposition(texts: list[str], services: Iterable[ModelService]) -> tuple[bytes, str]:
-    """One exposition of the services' texts and the router's own series, and its
-    content type."""
+def merged_exposition(
+    texts: list[tuple[str, str]], services: Iterable[ModelService]
+) -> tuple[bytes, str]:
+    """One exposition of the services' texts (model name, text) and the router's own
+    series, and its content type. A series a service does not label by model (its HTTP
+    counters) gets the ``model_name`` label here, so no two services' series collide."""
     families: dict[str, Metric] = {}
-    for text in texts:
+    for model, text in texts:
         for family in text_string_to_metric_families(text):
+            family.samples = [
+                s
+                if "model_name" in s.labels
+                else s._replace(labels={**s.labels, "model_name": model})
+                for s in family.samples
+            ]
             kept = families.setdefault(family.name, family)
             if kept is not family and kept.type == family.type:
                 kept.samples.extend(family.samples)

@@ -24,9 +24,19 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
+from api_server.errors import ANTHROPIC_ERRORS, ApiError, error_body, error_response
+from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, too_slow_body
+from api_server.http_util import cancel_on_disconnect
 from api_server.lora_routes import admin_keys_from_env
-from api_server.model_routes import ModelRouter
+from api_server.model_routes import ROUTED_POSTS, STATIC_DIR, ModelRouter, errors_of
 from api_server.model_slots import ModelService, ModelSlots
 from common.cli_args import parse_config
 from common.config import TandemConfig
@@ -37,20 +47,101 @@ from common.process import PARENT_DIED, die_with_parent, exit_without_teardown, 
 logger = logging.getLogger("api_server.model_router")
 
 
+def service_config(config: TandemConfig, port: int, index: int) -> TandemConfig:
+    """A model's own ``tandem serve``: on 127.0.0.1:port, plain HTTP (the router's own
+    port is the one facing clients and serves the TLS flags; it reaches its services on
+    loopback), its shared-memory segments named apart from the other services'."""
+    server = dataclasses.replace(config.server, host="127.0.0.1", port=port)
+    disagg = config.disagg
+    if disagg.service_id:  # each service names its own shared-memory segments
+        disagg = dataclasses.replace(disagg, service_id=f"{disagg.service_id}-{index}")
+    return dataclasses.replace(config, server=server, disagg=disagg)
+
+
 def _starter(index_of: dict[str, int]) -> Any:
     """Starts a model's ``tandem serve`` on 127.0.0.1:port, dying with this process; API
     keys reach it through the environment, as they reach every Tandem process."""
 
     def start(config: TandemConfig, port: int) -> Any:
-        server = dataclasses.replace(config.server, host="127.0.0.1", port=port)
-        disagg = config.disagg
-        if disagg.service_id:  # each service names its own shared-memory segments
-            index = index_of[config.model.model]
-            disagg = dataclasses.replace(disagg, service_id=f"{disagg.service_id}-{index}")
-        child = dataclasses.replace(config, server=server, disagg=disagg)
+        child = service_config(config, port, index_of[config.model.model])
         return start_module("common.cli", ["serve", *child.to_cli_args()])
 
     return start
+
+
+def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str, ...]) -> Starlette:
+    """The router's HTTP app: its routes behind the same guard (keys, body limits), CORS
+    and error bodies as a single model's API server (``api_server/app.py``); rate limits
+    are the services' own, per model."""
+    server = config.server
+
+    async def livez(request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def chat_page(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)  # registered for ApiError only
+        return error_response(exc, errors_of(request.url.path))
+
+    async def body_too_large(request: Request, exc: Exception) -> Response:
+        return JSONResponse(too_large_body(server.max_body_bytes), 413)
+
+    async def body_too_slow(request: Request, exc: Exception) -> Response:
+        body = too_slow_body(server.request_read_timeout_s)
+        return JSONResponse(body, 408, headers={"Connection": "close"})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(error_body(message, "not_found_error"), 404)
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(message, "invalid_request_error"), 405)
+
+    cors = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(server.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key"],
+            expose_headers=["X-Request-Id", "X-Tandem-Ignored-Fields"],
+        )
+    ]
+    return Starlette(
+        routes=[
+            *(Route(p, cancel_on_disconnect(router.route), methods=["POST"]) for p in ROUTED_POSTS),
+            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/health", router.health, methods=["GET"]),
+            Route("/livez", livez, methods=["GET"]),
+            Route("/readyz", router.readyz, methods=["GET"]),
+            Route("/metrics", router.metrics, methods=["GET"]),
+            Route("/stats", router.stats, methods=["GET"]),
+            Route("/v1/requests/{request_id}/cancel", router.fan_out, methods=["POST"]),
+            Route("/v1/responses/{response_id}", router.fan_out, methods=["GET", "DELETE"]),
+            Route("/", chat_page, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ],
+        exception_handlers={
+            ApiError: api_error,
+            BodyTooLarge: body_too_large,
+            BodyTooSlow: body_too_slow,
+            404: not_found,
+            405: method_not_allowed,
+        },
+        middleware=[
+            *(cors if server.allowed_origins else []),
+            Middleware(
+                Guard,
+                api_keys=server.api_keys,
+                max_body_bytes=server.max_body_bytes,
+                error_formats={"/v1/messages": ANTHROPIC_ERRORS},
+                read_timeout_s=server.request_read_timeout_s,
+                admin_keys=admin_keys,
+            ),
+        ],
+    )
 
 
 class _RouterServer(uvicorn.Server):
@@ -101,7 +192,7 @@ async def serve(config: TandemConfig) -> int:
     router = ModelRouter(slots)
     server = _RouterServer(
         uvicorn.Config(
-            router.app(config, admin_keys_from_env()),
+            router_app(router, config, admin_keys_from_env()),
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,

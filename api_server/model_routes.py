@@ -12,12 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api_server.errors import (
@@ -27,11 +23,8 @@ from api_server.errors import (
     ErrorFormat,
     error_response,
 )
-from api_server.guard import Guard
-from api_server.http_util import cancel_on_disconnect
 from api_server.metrics_merge import merged_exposition
 from api_server.model_slots import ModelService, ModelSlots, ModelUnavailable, SlotState
-from common.config import TandemConfig
 
 STATIC_DIR = Path(__file__).parent / "static"
 # Routed by the body's ``model``: generation, its prompt rendering, and tokenizing.
@@ -46,28 +39,51 @@ ROUTED_POSTS = (
     "/detokenize",
 )
 _HOP_BY_HOP = frozenset(
-    {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"}
+    {
+        "host",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "proxy-connection",
+    }
 )
+# The answer's: its length stays (the body passes unchanged); date and server are ours.
+_NOT_PASSED_BACK = (_HOP_BY_HOP - {"content-length", "host"}) | {"date", "server"}
 
 
-def _errors_of(path: str) -> ErrorFormat:
+def errors_of(path: str) -> ErrorFormat:
     return ANTHROPIC_ERRORS if path == "/v1/messages" else OPENAI_ERRORS
 
 
 class _Passed(StreamingResponse):
     """A service's answer passed through; ``on_end`` runs once however it ends (done,
-    the client gone, the service gone), which frees the request's hold on the model."""
+    the client gone, the service gone, or never sent: ``discard``), which frees the
+    request's hold on the model."""
 
     def __init__(self, upstream: httpx.Response, on_end: Callable[[], Awaitable[None]]) -> None:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
-        super().__init__(upstream.aiter_raw(), upstream.status_code, headers)
+        super().__init__(upstream.aiter_raw(), upstream.status_code)
+        # every header the service sent (a repeated one too), but the connection's own
+        # and those the server writes itself
+        self.raw_headers = [
+            (k, v) for k, v in upstream.headers.raw if k.lower().decode() not in _NOT_PASSED_BACK
+        ]
         self._upstream, self._on_end = upstream, on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            await self.discard()
+
+    async def discard(self) -> None:
+        try:
             await self._upstream.aclose()
+        finally:
             await self._on_end()
 
 
@@ -81,24 +97,27 @@ class ModelRouter:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,  # the services are on 127.0.0.1: never through HTTP_PROXY
         )
 
     async def route(self, request: Request) -> Response:
         """Find the body's model, hold its service (loading it if need be), pass the
         request on and the answer back."""
-        errors = _errors_of(request.url.path)
+        errors = errors_of(request.url.path)
         if self.draining:
             return error_response(
                 ApiError(503, "the server is shutting down", "server_error"), errors
             )
         body = await request.body()
         try:
-            parsed = json.loads(body) if body else {}
+            parsed = json.loads(body)
         except ValueError:
-            parsed = None  # the service says what is wrong with it
-        name = parsed.get("model") if isinstance(parsed, dict) else None
-        if not isinstance(name, str):  # left out or not a string: the service says so
-            name = next(iter(self.slots.services))
+            parsed = None
+        if not isinstance(parsed, dict):  # refused here: no model is loaded for it
+            return error_response(ApiError(400, "the body must be a JSON object"), errors)
+        name = parsed.get("model", self._loaded_first())
+        if not isinstance(name, str):
+            return error_response(ApiError(400, "model must be a string", param="model"), errors)
         if name not in self.slots.services:
             served = ", ".join(f"'{n}'" for n in self.slots.services)
             error = ApiError(
@@ -119,6 +138,11 @@ class ModelRouter:
             self.in_flight -= 1
             raise
         return await self._pass(request, body, service)
+
+    def _loaded_first(self) -> str:
+        """Where a request naming no model goes (vLLM serves it with its model): a
+        loaded model, so that it swaps none in."""
+        return next(iter(self.slots.ready()), next(iter(self.slots.services)))
 
     async def _pass(self, request: Request, body: bytes, service: ModelService) -> Response:
         ended = False
@@ -143,7 +167,7 @@ class ModelRouter:
             await end()
             message = f"model '{service.name}' did not answer: {type(e).__name__}"
             return error_response(
-                ApiError(503, message, "server_error"), _errors_of(request.url.path)
+                ApiError(503, message, "server_error"), errors_of(request.url.path)
             )
         except BaseException:
             await end()
@@ -154,11 +178,14 @@ class ModelRouter:
         """A request about one request or response id (cancel, a kept response): asked of
         each loaded service until one knows it."""
         last: Response | None = None
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         for service in self.slots.services.values():
-            reply = await self._ask(service, request.method, request.url.path, request)
+            reply = await self._ask(service, request.method, path, request)
             if reply is None:
                 continue
-            last = Response(reply.content, reply.status_code, media_type="application/json")
+            last = Response(
+                reply.content, reply.status_code, media_type=reply.headers.get("content-type")
+            )
             if reply.status_code != 404:
                 return last
         return last or error_response(
@@ -216,7 +243,7 @@ class ModelRouter:
         for service in self.slots.services.values():
             reply = await self._ask(service, "GET", "/metrics", request)
             if reply is not None and reply.status_code == 200:
-                texts.append(reply.text)
+                texts.append((service.name, reply.text))
         text, content_type = merged_exposition(texts, self.slots.services.values())
         return Response(text, media_type=content_type)
 
@@ -248,47 +275,6 @@ class ModelRouter:
             )
         except httpx.HTTPError:
             return None
-
-    def app(self, config: TandemConfig, admin_keys: tuple[str, ...]) -> Starlette:
-        async def livez(request: Request) -> Response:
-            return JSONResponse({"status": "alive"})
-
-        async def chat_page(request: Request) -> Response:
-            return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
-
-        async def api_error(request: Request, exc: Exception) -> Response:
-            assert isinstance(exc, ApiError)  # registered for ApiError only
-            return error_response(exc, _errors_of(request.url.path))
-
-        return Starlette(
-            routes=[
-                *(
-                    Route(p, cancel_on_disconnect(self.route), methods=["POST"])
-                    for p in ROUTED_POSTS
-                ),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/livez", livez, methods=["GET"]),
-                Route("/readyz", self.readyz, methods=["GET"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
-                Route("/stats", self.stats, methods=["GET"]),
-                Route("/v1/requests/{request_id}/cancel", self.fan_out, methods=["POST"]),
-                Route("/v1/responses/{response_id}", self.fan_out, methods=["GET", "DELETE"]),
-                Route("/", chat_page, methods=["GET"]),
-                Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
-            ],
-            exception_handlers={ApiError: api_error},
-            middleware=[
-                Middleware(
-                    Guard,
-                    api_keys=config.server.api_keys,
-                    max_body_bytes=config.server.max_body_bytes,
-                    error_formats={"/v1/messages": ANTHROPIC_ERRORS},
-                    read_timeout_s=config.server.request_read_timeout_s,
-                    admin_keys=admin_keys,
-                )
-            ],
-        )
 
 
 def _passed_headers(request: Request) -> list[tuple[str, str]]:

@@ -77,7 +77,7 @@ HealthCheck = Callable[["ModelService"], Awaitable[bool]]
 
 async def http_healthy(service: ModelService) -> bool:
     """``GET /health`` is 200: the service's engine is ready."""
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
         with contextlib.suppress(httpx.HTTPError):
             return (await client.get(f"{service.url}/health")).status_code == 200
     return False
@@ -127,8 +127,11 @@ class ModelSlots:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ModelUnavailable(self._late(service))
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for may swallow the
+                    # cancel of a client gone away just as a notify lands
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), left)
+                        async with asyncio.timeout(left):
+                            await self._changed.wait()
             finally:
                 service.waiting -= 1
 
@@ -160,7 +163,9 @@ class ModelSlots:
             return  # room is being made already
         victims = [s for s in held if s.state is SlotState.READY and s.waiting == 0]
         if victims:
-            victim = min(victims, key=lambda s: s.last_used)
+            # idle ones first (a busy one would keep the waiter waiting), then the least
+            # recently used
+            victim = min(victims, key=lambda s: (s.in_flight > 0, s.last_used))
             victim.state = SlotState.UNLOADING
             logger.info("unloading %s to make room for %s", victim.name, service.name)
             self._spawn(self._unload(victim))
@@ -181,16 +186,22 @@ class ModelSlots:
         """Start the service and wait for its ``/health``; DOWN with the reason if it
         exits or is not healthy within the load timeout."""
         started = time.monotonic()
-        service.port = free_tcp_port()
-        logger.info("loading %s on %s", service.name, service.url)
-        service.proc = proc = self._start(service.config, service.port)
-        failure = await self._wait_healthy(service, proc, started + self.load_timeout_s)
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            service.port = free_tcp_port()
+            logger.info("loading %s on %s", service.name, service.url)
+            service.proc = proc = self._start(service.config, service.port)
+            failure = await self._wait_healthy(service, proc, started + self.load_timeout_s)
+        except Exception as e:  # a start that fails (Popen, the port) fails this load only
+            failure = f"{type(e).__name__}: {e}"
+        if failure and proc is not None:
+            # stopped before the slot is given back, and outside the lock: it may take a while
+            await asyncio.to_thread(_stop, proc)
         async with self._changed:
             service.attempt += 1
             if failure:
-                service.state, service.failure = SlotState.DOWN, failure
+                service.state, service.failure, service.proc = SlotState.DOWN, failure, None
                 logger.error("%s did not load: %s", service.name, failure)
-                await asyncio.to_thread(_stop, proc)
             else:
                 service.state = SlotState.READY
                 logger.info("%s loaded in %.1f s", service.name, time.monotonic() - started)

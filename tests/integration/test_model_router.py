@@ -134,6 +134,11 @@ def refused_without_loading(stack: TandemStack, names: list[str]) -> None:
     )
     body = {"model": names[1], "prompt": "x", "max_tokens": 1}
     assert httpx.post(f"{stack.url}/v1/completions", json=body).status_code == 401
+    # malformed: refused by the router itself, not by loading a model to say so
+    r = httpx.post(f"{stack.url}/v1/completions", content=b"{not json", headers=AUTH)
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_request_error")
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": 5, "prompt": "x"}, headers=AUTH)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "model")
     states = httpx.get(f"{stack.url}/readyz", timeout=10).json()["models"]
     assert states == {names[0]: "loaded", names[1]: "unloaded"}
 

@@ -37,13 +37,20 @@ class FakeProc:
 class Fleet:
     """Starts fake services; ``exits``/``never_healthy`` name models whose start fails."""
 
-    def __init__(self, exits: tuple[str, ...] = (), never_healthy: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        exits: tuple[str, ...] = (),
+        never_healthy: tuple[str, ...] = (),
+        unstartable: tuple[str, ...] = (),
+    ):
         self.started: list[str] = []
         self.procs: dict[str, FakeProc] = {}
-        self.exits, self.never_healthy = exits, never_healthy
+        self.exits, self.never_healthy, self.unstartable = exits, never_healthy, unstartable
 
     def start(self, config: TandemConfig, port: int) -> Any:
         name = config.model.model
+        if name in self.unstartable:
+            raise OSError(f"cannot start {name}")
         self.started.append(name)
         self.procs[name] = FakeProc(3 if name in self.exits else None)
         return self.procs[name]
@@ -167,5 +174,34 @@ def test_a_loaded_service_that_dies_is_loaded_again_by_the_next_request() -> Non
         await slots.release(a)
         await slots.stop()
         assert fleet.procs["a"].terminated
+
+    asyncio.run(run())
+
+
+def test_an_idle_model_makes_room_before_a_busy_one_used_longer_ago() -> None:
+    async def run() -> None:
+        fleet = Fleet()
+        slots = fleet.slots("a b c", models_max=2)
+        await slots.load_first()
+        await settle()
+        busy = await slots.acquire("a")  # a long stream on a, begun first
+        await slots.release(await slots.acquire("b"))
+        c = await asyncio.wait_for(slots.acquire("c"), 5)
+        assert states(slots) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        await slots.release(c)
+        await slots.release(busy)
+
+    asyncio.run(run())
+
+
+def test_a_start_that_raises_fails_that_load_and_frees_its_slot() -> None:
+    async def run() -> None:
+        fleet = Fleet(unstartable=("b",))
+        slots = fleet.slots("a b", models_max=1)
+        with pytest.raises(ModelUnavailable, match="OSError: cannot start b"):
+            await slots.acquire("b")
+        assert states(slots) == {"a": "unloaded", "b": "unloaded"}
+        a = await asyncio.wait_for(slots.acquire("a"), 5)  # the slot is free again
+        await slots.release(a)
 
     asyncio.run(run())
