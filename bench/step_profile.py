@@ -40,6 +40,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from common.config import (
     QUANTIZATIONS,
     CacheConfig,
     GgufActivations,
+    ModelConfig,
     Quantization,
     SchedulerConfig,
     TandemConfig,
@@ -65,6 +67,7 @@ from common.ipc import Codec
 from common.messages import (
     EngineOutputs,
     EngineRequest,
+    LoRARequest,
     ModelRunnerOutput,
     PoolRole,
     SamplingParams,
@@ -75,6 +78,7 @@ from common.model_files import resolve_model_dir
 from engine_core.core import EngineCore
 from engine_core.executor import PoolEvents
 from worker.device import resolve_dtype
+from worker.lora import LoRABatch
 from worker.model_runner import ModelRunner
 from worker.models.decoder import DecoderLM
 from worker.models.packed_linear import ONEDNN, PackedLinear
@@ -89,6 +93,7 @@ PARTS = (
     "rotary",
     "activation",
     "sampling",
+    "lora",  # --lora: the adapters' deltas (worker/lora.py)
     "other ops",
     "python+dispatch",
 )
@@ -167,6 +172,9 @@ def label_ops(runner: ModelRunner) -> None:
                 run = _label("matmul", module.packing.run)
                 module.packing = dataclasses.replace(module.packing, run=run)
     model = runner.model
+    if isinstance(model, DecoderLM) and isinstance(model.lora_batch, LoRABatch):
+        batch = model.lora_batch
+        batch.add_deltas = _label("lora", batch.add_deltas)  # type: ignore[method-assign]
     if isinstance(model, DecoderLM) and model.fused_decode is not None:
         # One call holds every layer's projections, attention, norms: not split further.
         fused = model.fused_decode
@@ -221,17 +229,30 @@ class Setup:
         max_batch: int,
         quantization: Quantization,
         gguf_activations: GgufActivations,
+        adapters: list[Path] | None = None,
     ) -> None:
         model_dir = resolve_model_dir(model)
         blocks = max_batch * ((CONTEXT + 512) // 16 + 2)
         cache = CacheConfig(num_kv_blocks=blocks)
         quantizer = quantizer_for(quantization, model, gguf_activations)
+        # --lora N: requests spread round robin over N adapters, all resident
+        self.adapters = [
+            LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(adapters or [])
+        ]
         self.runner = ModelRunner(
-            model_dir, dtype, torch.device("cpu"), cache, None, quantizer=quantizer
+            model_dir,
+            dtype,
+            torch.device("cpu"),
+            cache,
+            None,
+            quantizer=quantizer,
+            lora_capacity=len(self.adapters),
         )
         label_ops(self.runner)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        lora = {"enable_lora": True, "max_loras": len(self.adapters)} if self.adapters else {}
         self.config = TandemConfig(
+            model=ModelConfig(**lora),  # type: ignore[arg-type]
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=8192),
         )
@@ -245,7 +266,8 @@ class Setup:
         greedy = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             prompt = [(7 * i + j) % 1000 + 10 for j in range(CONTEXT)]
-            core.add_request(EngineRequest(f"r{i}", b"api", prompt, greedy, time.time()))
+            lora = self.adapters[i % len(self.adapters)] if self.adapters else None
+            core.add_request(EngineRequest(f"r{i}", b"api", prompt, greedy, time.time(), lora=lora))
         while pool.last_step is None or pool.last_step.new_requests:
             core.step()  # the prompts' prefill
         core.step()
@@ -346,9 +368,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--name", default=None, help="results name (default: step_profile-MODEL-DTYPE)")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="spread the requests over this many random rank-16 adapters (bench.lora's)",
+    )
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    setup = Setup(args.model, dtype, max(args.batches), args.quantization, args.gguf_activations)
+    adapters = None
+    if args.lora:
+        from bench.lora import make_adapters
+
+        cache = Path.home() / ".cache/tandem/lora-bench"
+        adapters = make_adapters(resolve_model_dir(args.model), cache, args.lora)
+    setup = Setup(
+        args.model, dtype, max(args.batches), args.quantization, args.gguf_activations, adapters
+    )
     machine = Machine(bandwidth_gb_s()["read_gb_s"], matmul_tflops(dtype))
     cost = model_cost(args.model, dtype)
     with torch.inference_mode():
@@ -402,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         if r["fused_phases"] and projection_params:
             print(phase_rates(r, projection_params, cost, machine, dtype.itemsize))
     name = args.name or f"step_profile-{args.model}-{str(dtype).removeprefix('torch.')}"
+    name += f"-lora{args.lora}" if args.lora else ""
     write_results(
         name,
         {"args": vars(args), "context": CONTEXT, "machine": vars(machine), "rows": rows},
