@@ -39,6 +39,7 @@ from common.process import (
     freeze_startup_heap,
     record_exit_reason,
 )
+from common.tls_config import check_tls_files
 
 logger = logging.getLogger("api_server")
 
@@ -191,6 +192,7 @@ async def serve(config: TandemConfig) -> int:
             # CancelledError traceback in the log at every stop.
             lifespan="off",
             http=with_header_timeout(config.server.request_read_timeout_s),
+            **config.server.uvicorn_tls(),  # HTTPS with --ssl-certfile (common/tls_config.py)
         ),
         service,
         config.server.shutdown_timeout_s,
@@ -216,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.server.log_level, "api_server")
     if not (config.addresses.input_address and config.addresses.output_address):
         logger.error("--input-address and --output-address are required")
+        return 2
+    try:  # a bad certificate is one line here, not a traceback from uvicorn
+        check_tls_files(*config.server.tls_flags)
+    except ValueError as e:
+        logger.error("%s", e)
+        record_exit_reason(str(e))
         return 2
     die_with_parent()
     return asyncio.run(serve(config))

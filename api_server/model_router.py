@@ -43,6 +43,7 @@ from common.config import TandemConfig
 from common.logs import setup_logging
 from common.model_set_config import model_name_of
 from common.process import PARENT_DIED, die_with_parent, exit_without_teardown, start_module
+from common.tls_config import NO_TLS, check_tls_files
 
 logger = logging.getLogger("api_server.model_router")
 
@@ -51,7 +52,7 @@ def service_config(config: TandemConfig, port: int, index: int) -> TandemConfig:
     """A model's own ``tandem serve``: on 127.0.0.1:port, plain HTTP (the router's own
     port is the one facing clients and serves the TLS flags; it reaches its services on
     loopback), its shared-memory segments named apart from the other services'."""
-    server = dataclasses.replace(config.server, host="127.0.0.1", port=port)
+    server = dataclasses.replace(config.server, host="127.0.0.1", port=port, **NO_TLS)
     disagg = config.disagg
     if disagg.service_id:  # each service names its own shared-memory segments
         disagg = dataclasses.replace(disagg, service_id=f"{disagg.service_id}-{index}")
@@ -199,6 +200,7 @@ async def serve(config: TandemConfig) -> int:
             access_log=config.server.log_level == "debug",
             timeout_graceful_shutdown=3,
             lifespan="off",
+            **config.server.uvicorn_tls(),  # the router faces clients; its services do not
         ),
         router,
         config.server.shutdown_timeout_s,
@@ -206,9 +208,8 @@ async def serve(config: TandemConfig) -> int:
     asyncio.get_running_loop().add_signal_handler(PARENT_DIED, server.stop_now)
     await slots.load_first()
     watch = asyncio.get_running_loop().create_task(slots.watch())
-    logger.info(
-        "routing %s on http://%s:%d", ", ".join(names), config.server.host, config.server.port
-    )
+    where = f"{config.server.scheme}://{config.server.host}:{config.server.port}"
+    logger.info("routing %s on %s", ", ".join(names), where)
     try:
         await server.serve()
     finally:
@@ -222,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv, prog="python -m api_server.model_router")
     setup_logging(config.server.log_level, "model_router")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed request, else
+    try:  # a bad certificate is one line here, not a traceback from uvicorn
+        check_tls_files(*config.server.tls_flags)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
     die_with_parent()
     return asyncio.run(serve(config))
 

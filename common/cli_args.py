@@ -18,6 +18,7 @@ from common.config import (
 from common.env_flags import apply_env_defaults
 from common.lora_config import add_lora_args
 from common.model_set_config import ModelsAction, add_model_set_args
+from common.tls_config import add_tls_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -303,6 +304,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="refuse unknown request fields with 422; by default they are ignored, logged "
         "and named in the X-Tandem-Ignored-Fields response header (as vLLM)",
     )
+    add_tls_args(parser)
     p = parser.add_argument_group("worker pools (prefill/decode disaggregation)")
     p.add_argument(
         "--prefill-workers",

@@ -23,6 +23,7 @@ from common.messages import PoolRole
 from common.model_set_config import ModelSetConfig, check_model_set
 from common.pool_config import DisaggConfig
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
+from common.tls_config import CERT_NONE, check_tls_flags, uvicorn_tls_options
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -250,6 +251,11 @@ class ServerConfig:
     request_read_timeout_s: float = 30.0  # a request's headers, then its body, must arrive in this
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no cross-origin access
+    # HTTPS (common/tls_config.py): file paths, not secrets, so they travel on command lines.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # the CAs client certificates must chain to
+    ssl_cert_reqs: int = CERT_NONE  # ssl.VerifyMode: 2 = client certificate required
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
@@ -290,6 +296,21 @@ class ServerConfig:
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
         )
+        check_tls_flags(*self.tls_flags)
+
+    @property
+    def tls_flags(self) -> tuple[str | None, str | None, str | None, int]:
+        """The TLS flags in ``common/tls_config.py``'s order: key, cert, CAs, cert reqs."""
+        return self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with a certificate, else ``http``."""
+        return "https" if self.ssl_certfile else "http"
+
+    def uvicorn_tls(self) -> dict[str, Any]:
+        """``uvicorn.Config`` keywords for these flags (none: plain HTTP)."""
+        return uvicorn_tls_options(*self.tls_flags)
 
 
 @dataclass(frozen=True)

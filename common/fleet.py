@@ -107,6 +107,12 @@ def plan_fleet(
     (``--host``/``--port``: the router's; each instance on 127.0.0.1). ``shape``: an int
     is that many whole instances."""
     shape = shape if isinstance(shape, Shape) else Shape(replicas=shape)
+    if config.server.ssl_certfile:
+        raise ValueError(
+            "tandem fleet serves no HTTPS: vllm-router faces the clients there, and its "
+            "instances talk plain HTTP on 127.0.0.1; put a TLS proxy in front of the fleet, "
+            "or give the --ssl-* flags to tandem serve"
+        )
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}")
     instances = []

@@ -41,6 +41,7 @@ from common.process import (
     small_thread_env,
     start_module,
 )
+from common.tls_config import check_tls_files
 
 logger = logging.getLogger("tandem")
 
@@ -181,6 +182,7 @@ def serve(config: TandemConfig) -> int:
         if config.model.quantization == "gguf":  # found (an assembled one: made) once
             gguf_source(model)
     check_port_free(config.server.host, config.server.port)
+    check_tls_files(*config.server.tls_flags)  # read by the process facing clients
     runtime_dir = make_runtime_dir()
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -197,8 +199,9 @@ def serve(config: TandemConfig) -> int:
         else:
             config = _start_one_model(service, config, served_name)
         logger.info(
-            "serving %s on http://%s:%d (%s)",
+            "serving %s on %s://%s:%d (%s)",
             served_name,
+            config.server.scheme,
             config.server.host,
             config.server.port,
             ", ".join(f"{name} pid {proc.pid}" for name, proc in service.children),
