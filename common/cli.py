@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common.cli_args import add_cli_args
+from common.client_cli import CLIENT_COMMANDS, add_client_commands, run_client
 from common.config import TandemConfig
 from common.logs import setup_logging
 
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         help="make the CurveZMQ key pairs a deployment's processes share (--curve-keys DIR)",
     )
     keys.add_argument("directory", help="where to write server.key[_secret], client.key[_secret]")
+    add_client_commands(commands)  # chat, complete, status: a running server, from a terminal
     args = parser.parse_args(argv)
+    if args.command in CLIENT_COMMANDS:
+        sys.exit(run_client(args))
     if args.command == "keys":
         from common.curve import generate_keys
 

@@ -1,4 +1,5 @@
-"""Only common/ is shared between processes, and the engine core never imports torch."""
+"""Only common/ is shared between processes; the engine core and the terminal client never
+import torch."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_engine_core_does_not_import_torch() -> None:
     # And at run time, through everything it imports from common/.
     code = (
         "import sys, engine_core.core, engine_core.__main__, engine_core.scheduler; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_terminal_client_does_not_import_torch() -> None:
+    """`tandem chat` starts in a fraction of a second: nothing heavy on its import path."""
+    code = (
+        "import sys, common.cli, common.client_cli, common.client_chat, common.client_status; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(
