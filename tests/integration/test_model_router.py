@@ -2,13 +2,12 @@
 is routed by its ``model`` to that model's own service, whose greedy tokens equal
 transformers'; with ``--models-max 1`` alternating and concurrent requests swap the models
 in and out and every one completes. The embedded models' case (both loaded, concurrent
-streams equal to each served alone) is under slow."""
+streams equal to each served alone and to transformers) is
+tests/parity/test_real_models_http.py's (slow)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -141,54 +140,3 @@ def refused_without_loading(stack: TandemStack, names: list[str]) -> None:
     assert (r.status_code, r.json()["error"]["param"]) == (400, "model")
     states = httpx.get(f"{stack.url}/readyz", timeout=10).json()["models"]
     assert states == {names[0]: "loaded", names[1]: "unloaded"}
-
-
-EMBEDDED = ("smollm2-135m-instruct", "gemma-3-270m")
-TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at"]
-
-
-async def streamed_ids(client: httpx.AsyncClient, model: str, text: str) -> list[int]:
-    """A greedy stream's token ids, chunk by chunk."""
-    body = {"model": model, "prompt": text, "max_tokens": 24, "temperature": 0, "stream": True}
-    ids: list[int] = []
-    async with client.stream(
-        "POST", "/v1/completions", json={**body, "ignore_eos": True, "return_token_ids": True}
-    ) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
-    return ids
-
-
-def loaded(url: str) -> set[str]:
-    states = httpx.get(f"{url}/readyz", timeout=10).json()["models"]
-    return {m for m, state in states.items() if state == "loaded"}
-
-
-def streams(url: str, jobs: list[tuple[str, str]]) -> list[list[int]]:
-    async def run() -> list[list[int]]:
-        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            return list(await asyncio.gather(*(streamed_ids(client, m, t) for m, t in jobs)))
-
-    return asyncio.run(run())
-
-
-@pytest.mark.slow
-def test_both_embedded_models_stream_at_once_as_each_served_alone(server: TandemStack) -> None:
-    """Both loaded (no --models-max): concurrent streams to each; greedy ids equal those of
-    each model served alone (SmolLM2: the shared float32 stack, same flags)."""
-    jobs = [(m, t) for t in TEXTS for m in EMBEDDED]
-    flags = [a for m in EMBEDDED for a in ("--model", m)]
-    with TandemStack(*flags, "--dtype", "float32", "--max-num-seqs", "32") as stack:
-        deadline = time.monotonic() + 300  # /health is 200 once one is loaded
-        while time.monotonic() < deadline and loaded(stack.url) != set(EMBEDDED):
-            time.sleep(0.5)
-        assert loaded(stack.url) == set(EMBEDDED)
-        together = streams(stack.url, jobs)
-    with TandemStack("--model", EMBEDDED[1], "--dtype", "float32", "--max-num-seqs", "32") as gemma:
-        alone = {EMBEDDED[0]: server.url, EMBEDDED[1]: gemma.url}
-        for model, url in alone.items():  # the same four at once, as each service saw them
-            own = streams(url, [(m, t) for m, t in jobs if m == model])
-            ids = [ids for (m, _), ids in zip(jobs, together, strict=True) if m == model]
-            assert ids == own and all(len(i) == 24 for i in ids), (model, ids, own)

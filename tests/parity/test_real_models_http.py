@@ -1,10 +1,14 @@
 """Greedy outputs of the embedded real models through the HTTP server (float32) equal
 transformers' generate on the same GGUF weights, one request at a time and all at once;
-and all at once with ``--quantization gguf`` (SmolLM2's given as its ``*.gguf`` file)."""
+and all at once with ``--quantization gguf`` (SmolLM2's given as its ``*.gguf`` file);
+and both models served by one ``tandem serve`` (the model router), streamed at once, as
+each model served alone (slow)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,3 +163,61 @@ def all_at_once(served_url: str, model_name: str, expected: list[Any]) -> list[l
     answers = asyncio.run(send_all())
     assert len(answers) == len(expected)
     return answers
+
+
+@pytest.fixture(scope="module")
+def router_url() -> Iterator[str]:
+    """Both embedded models behind one ``tandem serve`` (no --models-max: both loaded)."""
+    flags = [a for m in PROMPTS for a in ("--model", m)]
+    with TandemStack(*flags, "--dtype", "float32", "--max-num-seqs", "32") as stack:
+        deadline = time.monotonic() + 300  # /health is 200 once one model is loaded
+        while time.monotonic() < deadline and loaded(stack.url) != set(PROMPTS):
+            time.sleep(0.5)
+        assert loaded(stack.url) == set(PROMPTS)
+        yield stack.url
+
+
+def loaded(url: str) -> set[str]:
+    states = httpx.get(f"{url}/readyz", timeout=10).json()["models"]
+    return {m for m, state in states.items() if state == "loaded"}
+
+
+@pytest.mark.slow
+def test_both_models_behind_one_server_stream_at_once_as_each_served_alone(
+    router_url: str,
+    served_url: str,
+    model_name: str,
+    expected: list[Any],
+    logprob_fns: tuple[Any, Any],
+) -> None:
+    """Every prompt of both models streamed at once through the router: this model's
+    token ids equal transformers' and those of the model served alone (all at once)."""
+    # this model's prompts as transformers' token ids, the other's as text
+    jobs: list[tuple[str, str | list[int]]] = [(model_name, prompt) for prompt, _ in expected]
+    jobs += [(m, text) for m, texts in PROMPTS.items() if m != model_name for text in texts]
+    together = streamed_at_once(router_url, jobs)
+    ours = [ids for (m, _), ids in zip(jobs, together, strict=True) if m == model_name]
+    assert ours == all_at_once(served_url, model_name, expected)
+    for (prompt, ref), ids in zip(expected, ours, strict=True):
+        assert_greedy_parity(prompt, ids, ref, *logprob_fns)
+
+
+def streamed_at_once(url: str, jobs: list[tuple[str, str | list[int]]]) -> list[list[int]]:
+    """Each (model, prompt)'s greedy token ids, every stream open at once."""
+
+    async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int]) -> list[int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        body |= {"stream": True, "return_token_ids": True}
+        ids: list[int] = []
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return ids
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return list(await asyncio.gather(*(one(client, m, t) for m, t in jobs)))
+
+    return asyncio.run(run())
