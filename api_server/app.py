@@ -12,26 +12,25 @@ Errors are OpenAI error bodies, Anthropic's on ``/v1/messages``.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from api_server.anthropic_api import MessagesFormat
+from api_server.app_parts import STATIC_DIR, chat_page, cors, exception_handlers
 from api_server.chat import ChatFormat, ChatTemplate
 from api_server.completions import CompletionFormat
 from api_server.driver import ApiFormat, GenerationDriver
-from api_server.errors import OPENAI_ERRORS, ApiError, ErrorFormat, error_body, error_response
+from api_server.errors import ApiError, ErrorFormat
 from api_server.generation import CompletionService
-from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, too_slow_body
+from api_server.guard import Guard
 from api_server.http_util import cancel_on_disconnect, key_id_of
 from api_server.http_util import parse as http_parse
 from api_server.instance_info import InstanceInfo, instance_routes
@@ -48,13 +47,6 @@ from common.messages import SchedulerStats
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
-STATIC_DIR = Path(__file__).parent / "static"  # the chat page: plain HTML/JS/CSS
-# The chat page loads only its own script and stylesheet and talks only to this server.
-CHAT_PAGE_CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
-
 ROUTE_PATHS = frozenset(
     {
         "/",
@@ -205,12 +197,6 @@ def create_app(
             return JSONResponse({"status": "loading", "model_loaded": False}, 503)
         return JSONResponse({"status": "ok", "model_loaded": True})
 
-    async def chat_page(request: Request) -> Response:
-        return FileResponse(
-            STATIC_DIR / "index.html",
-            headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP},
-        )
-
     async def livez(request: Request) -> Response:
         # Answering at all proves the event loop runs; nothing else is checked.
         return JSONResponse({"status": "alive"})
@@ -272,29 +258,6 @@ def create_app(
             code="request_not_found",
         )
 
-    async def body_too_large(request: Request, exc: Exception) -> Response:
-        return JSONResponse(too_large_body(max_body_bytes), 413)
-
-    async def body_too_slow(request: Request, exc: Exception) -> Response:
-        return JSONResponse(too_slow_body(read_timeout_s), 408, headers={"Connection": "close"})
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)  # registered for ApiError only
-        return error_response(exc, error_formats.get(request.url.path, OPENAI_ERRORS))
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return JSONResponse(
-            error_body(f"no route {request.method} {request.url.path}", "not_found_error"), 404
-        )
-
-    async def method_not_allowed(request: Request, exc: Exception) -> Response:
-        return JSONResponse(
-            error_body(
-                f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"
-            ),
-            405,
-        )
-
     return Starlette(
         routes=[
             Route("/", chat_page, methods=["GET"]),
@@ -326,27 +289,9 @@ def create_app(
             Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         ],
-        exception_handlers={
-            ApiError: api_error,
-            BodyTooLarge: body_too_large,
-            BodyTooSlow: body_too_slow,
-            404: not_found,
-            405: method_not_allowed,
-        },
+        exception_handlers=exception_handlers(error_formats, max_body_bytes, read_timeout_s),
         middleware=[
-            *(  # CORS only for the origins the operator named; none by default
-                [
-                    Middleware(
-                        CORSMiddleware,
-                        allow_origins=list(allowed_origins),
-                        allow_methods=["GET", "POST", "DELETE"],
-                        allow_headers=["Authorization", "Content-Type", "x-api-key"],
-                        expose_headers=["X-Request-Id", "X-Tandem-Ignored-Fields"],
-                    )
-                ]
-                if allowed_origins
-                else []
-            ),
+            *cors(allowed_origins),
             Middleware(HttpMetrics, metrics=service.metrics, routes=ROUTE_PATHS),
             Middleware(
                 Guard,

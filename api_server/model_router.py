@@ -26,17 +26,16 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from api_server.errors import ANTHROPIC_ERRORS, ApiError, error_body, error_response
-from api_server.guard import BodyTooLarge, BodyTooSlow, Guard, too_large_body, too_slow_body
+from api_server.app_parts import STATIC_DIR, chat_page, cors, exception_handlers
+from api_server.guard import Guard
 from api_server.http_util import cancel_on_disconnect
 from api_server.lora_routes import admin_keys_from_env
-from api_server.model_routes import ROUTED_POSTS, STATIC_DIR, ModelRouter, errors_of
+from api_server.model_routes import FLAVOURS, ROUTED_POSTS, ModelRouter
 from api_server.model_slots import ModelService, ModelSlots
 from common.cli_args import parse_config
 from common.config import TandemConfig
@@ -79,37 +78,6 @@ def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str,
     async def livez(request: Request) -> Response:
         return JSONResponse({"status": "alive"})
 
-    async def chat_page(request: Request) -> Response:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)  # registered for ApiError only
-        return error_response(exc, errors_of(request.url.path))
-
-    async def body_too_large(request: Request, exc: Exception) -> Response:
-        return JSONResponse(too_large_body(server.max_body_bytes), 413)
-
-    async def body_too_slow(request: Request, exc: Exception) -> Response:
-        body = too_slow_body(server.request_read_timeout_s)
-        return JSONResponse(body, 408, headers={"Connection": "close"})
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(message, "not_found_error"), 404)
-
-    async def method_not_allowed(request: Request, exc: Exception) -> Response:
-        message = f"{request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(message, "invalid_request_error"), 405)
-
-    cors = [
-        Middleware(
-            CORSMiddleware,
-            allow_origins=list(server.allowed_origins),
-            allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "x-api-key"],
-            expose_headers=["X-Request-Id", "X-Tandem-Ignored-Fields"],
-        )
-    ]
     return Starlette(
         routes=[
             *(Route(p, cancel_on_disconnect(router.route), methods=["POST"]) for p in ROUTED_POSTS),
@@ -124,20 +92,16 @@ def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str,
             Route("/", chat_page, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
-        exception_handlers={
-            ApiError: api_error,
-            BodyTooLarge: body_too_large,
-            BodyTooSlow: body_too_slow,
-            404: not_found,
-            405: method_not_allowed,
-        },
+        exception_handlers=exception_handlers(
+            FLAVOURS, server.max_body_bytes, server.request_read_timeout_s
+        ),
         middleware=[
-            *(cors if server.allowed_origins else []),
+            *cors(server.allowed_origins),
             Middleware(
                 Guard,
                 api_keys=server.api_keys,
                 max_body_bytes=server.max_body_bytes,
-                error_formats={"/v1/messages": ANTHROPIC_ERRORS},
+                error_formats=FLAVOURS,
                 read_timeout_s=server.request_read_timeout_s,
                 admin_keys=admin_keys,
             ),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +25,6 @@ from api_server.errors import (
 from api_server.metrics_merge import merged_exposition
 from api_server.model_slots import ModelService, ModelSlots, ModelUnavailable, SlotState
 
-STATIC_DIR = Path(__file__).parent / "static"
 # Routed by the body's ``model``: generation, its prompt rendering, and tokenizing.
 ROUTED_POSTS = (
     "/v1/completions",
@@ -56,8 +54,12 @@ _HOP_BY_HOP = frozenset(
 _NOT_PASSED_BACK = (_HOP_BY_HOP - {"content-length", "host"}) | {"date", "server"}
 
 
+# Each path's error body, where it is not OpenAI's.
+FLAVOURS: dict[str, ErrorFormat] = {"/v1/messages": ANTHROPIC_ERRORS}
+
+
 def errors_of(path: str) -> ErrorFormat:
-    return ANTHROPIC_ERRORS if path == "/v1/messages" else OPENAI_ERRORS
+    return FLAVOURS.get(path, OPENAI_ERRORS)
 
 
 class _Passed(StreamingResponse):
