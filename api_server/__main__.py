@@ -19,7 +19,9 @@ from types import FrameType
 import uvicorn
 
 from api_server.app import create_app
+from api_server.blocklist import content_guard
 from api_server.client import EngineClient
+from api_server.content_guard import ContentGuard
 from api_server.generation import CompletionService
 from api_server.http_protocol import with_header_timeout
 from api_server.instance_info import InstanceInfo
@@ -123,7 +125,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: TandemConfig) -> int:
+async def serve(config: TandemConfig, guard: ContentGuard) -> int:
     model_dir = resolve_model_dir(config.model.model)
     tokenizer = load_tokenizer(model_dir)
     defaults = load_sampling_defaults(model_dir, config.model.generation_config)
@@ -155,6 +157,7 @@ async def serve(config: TandemConfig) -> int:
         limiter,
         config.server.log_requests,
         sampling_defaults=defaults,
+        guard=guard,
     )
     app = create_app(
         service,
@@ -219,14 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (config.addresses.input_address and config.addresses.output_address):
         logger.error("--input-address and --output-address are required")
         return 2
-    try:  # a bad certificate is one line here, not a traceback from uvicorn
+    try:  # a bad certificate or blocklist is one line here, not a traceback later
         check_tls_files(*config.server.tls_flags)
+        guard = content_guard(config.server.guard_blocklist)
     except ValueError as e:
         logger.error("%s", e)
         record_exit_reason(str(e))
         return 2
     die_with_parent()
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, guard))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ TOOL_USE_ID_PREFIX = "toolu_"
 
 def stop_reason(piece: Piece | None, called: bool) -> str:
     """A turn cut by ``max_tokens`` says so even inside a call; one that made calls
-    ended to have them run."""
+    ended to have them run. One the content guard ended is Anthropic's ``refusal`` (its
+    stop reason when a classifier stops a stream)."""
+    if piece is not None and piece.finish_reason == "content_filter":
+        return "refusal"
     if piece is not None and piece.finish_reason == "length":
         return "max_tokens"
     if called:
@@ -136,7 +139,8 @@ class MessagesFormat:
         use = request.tool_use()
         ids = self.template.prompt_ids(request, use)
         rules, reasoning = self.template.output_rules(request, ids, use)
-        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning)]
+        text = request.content_text()
+        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning, text=text)]
 
     def _reader(self, choice: Choice) -> OutputReader | None:
         return self.template.reader(choice.prompt, TOOL_USE_ID_PREFIX)

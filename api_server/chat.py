@@ -204,7 +204,8 @@ class ChatFormat:
             )
         ids = self.template.prompt_ids(request, use)
         rules, reasoning = self.template.output_rules(request, ids, use)
-        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning)]
+        text = request.content_text()
+        return [Prompt(ids, rules=rules, tools=use, reasoning=reasoning, text=text)]
 
     def _reader(self, choice: Choice) -> OutputReader | None:
         """The choice's reader, made on first use; None for a plain-text choice."""

@@ -185,6 +185,11 @@ class ChatCompletionRequest(GenerationRequest):
             out.append(message)
         return out
 
+    def content_text(self) -> str:
+        """Every message's text, a message a line: what the content guard reads of a
+        conversation (not the template's own text, the tools or calls' arguments)."""
+        return "\n".join(m.text() for m in self.messages)
+
 
 def _arguments(text: str, where: str) -> Any:
     try:

@@ -63,10 +63,8 @@ class CompletionFormat:
             ids = self.service.tokenize(prompt, info, request.add_special_tokens)
             if request.truncate_prompt_tokens is not None:
                 ids = ids[-request.truncate_prompt_tokens :]
-            echo = ""
-            if request.echo:
-                echo = prompt if isinstance(prompt, str) else self.service.tokenizer.decode(ids)
-            prompts.append(Prompt(ids, echo))
+            text = prompt if isinstance(prompt, str) else self.service.tokenizer.decode(ids)
+            prompts.append(Prompt(ids, text if request.echo else "", text=text))
         return prompts
 
     def _chunk(

@@ -3,9 +3,10 @@ flavour (``completions.py``, ``chat.py``, ``anthropic_api.py``) turns its pieces
 chunks, final bodies and errors.
 
 The driver owns what the three used to repeat: parsing and the model-name check, the
-ignored-fields report, refusing parameters that cannot be honoured, one engine request
-per choice (``<id>`` for the first, ``<id>-<k>`` after, so cancel-by-id reaches them
-all), waiting for each choice's first piece (a refusal is an HTTP status, not an error
+ignored-fields report, refusing parameters that cannot be honoured and prompts the
+content guard refuses (``CompletionService.screen_prompt``), one engine request per
+choice (``<id>`` for the first, ``<id>-<k>`` after, so cancel-by-id reaches them all),
+waiting for each choice's first piece (a refusal is an HTTP status, not an error
 inside a stream), merging streamed choices as their pieces arrive, mid-stream errors,
 and the response headers (``X-Request-Id``, ``Cache-Control``, ``Retry-After`` through
 ``error_response``).
@@ -65,6 +66,9 @@ class Prompt:
     rules: OutputRules = field(default_factory=OutputRules)
     tools: ToolUse | None = None  # chat: the request's function tools, resolved
     reasoning: Reasoning | None = None  # chat: how the output holds its reasoning section
+    # The client's text of this prompt, as the content guard reads it: a completion's
+    # prompt, a conversation's message contents (not the chat template's own text).
+    text: str = ""
 
 
 @dataclass
@@ -248,6 +252,8 @@ class GenerationDriver:
                 param="prompt_logprobs",
             )
         request_id = client_request_id(request) or f"{fmt.id_prefix}{uuid.uuid4().hex}"
+        for prompt in prompts:
+            service.screen_prompt(prompt.text, request_id)
         model = service.served_model_name if lora is None else lora.name
         gen = Generation(request_id, model, int(time.time()), req, [])
         for prompt in prompts:

@@ -1,5 +1,6 @@
 """The generation pipeline shared by every route: validate against the model, tokenize,
-send to the engine, detokenize incrementally and apply stop strings, as ``Piece``s."""
+screen prompts, send to the engine, detokenize incrementally and apply stop strings and
+the content guard, as ``Piece``s."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import msgspec
 
 from api_server.client import EngineClient
+from api_server.content_guard import ContentGuard, NoContentGuard
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.errors import ApiError
 from api_server.metrics import Metrics
@@ -90,8 +92,8 @@ class Piece:
 
 class CompletionService:
     """Everything the routes share: the tokenizer, the engine client, the model name, the
-    model's sampling defaults, the token rate limiter, the metrics. Prompts and outputs
-    reach the log only with ``log_requests``."""
+    model's sampling defaults, the token rate limiter, the metrics, the content guard.
+    Prompts and outputs reach the log only with ``log_requests``."""
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class CompletionService:
         log_requests: bool = False,
         metrics: Metrics | None = None,
         sampling_defaults: SamplingDefaults | None = None,
+        guard: ContentGuard | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -110,6 +113,7 @@ class CompletionService:
         self.limiter = limiter or RateLimiter()
         self.log_requests = log_requests
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.guard = guard or NoContentGuard()
         self.draining = False  # set on SIGTERM: new requests get 503, running ones finish
 
     def resolve_model(self, model: str) -> LoRARequest | None:
@@ -161,6 +165,20 @@ class CompletionService:
                 param="prompt",
             )
         return ids
+
+    def screen_prompt(self, text: str, request_id: str) -> None:
+        """400 (code ``content_filter``) for a prompt text the content guard refuses; the
+        client is not told what matched, the log names the rule."""
+        hit = self.guard.check(text)
+        if hit is None:
+            return
+        self.metrics.guardrail_hit("prompt")
+        logger.info("[%s] prompt refused by the content guard (%s)", request_id, hit.rule)
+        raise ApiError(
+            400,
+            "the prompt contains text this server's content filter blocks; rephrase it",
+            code="content_filter",
+        )
 
     @staticmethod
     def completion_budget(num_prompt: int, max_tokens: int | None, info: ModelInfo) -> int:
@@ -264,7 +282,8 @@ class CompletionService:
         caller: str = "",
         owner: str | None = None,
     ) -> AsyncGenerator[Piece, None]:
-        """Engine outputs -> text pieces; a stop string ends the request early."""
+        """Engine outputs -> text pieces; a stop string or a content-guard hit ends the
+        request early."""
         num_tokens = 0
         texts: list[str] = []
         try:
@@ -288,6 +307,7 @@ class CompletionService:
             self.tokenizer.backend_tokenizer, options.skip_special_tokens
         )
         matcher = StopStringMatcher(options.stop_strings, options.stops_end_at)
+        scan = self.guard.scan()  # after the stop strings: text past one is never output
         num_tokens = 0
         num_cached = 0
         pending_ids: list[int] = []  # ids whose text is not complete yet
@@ -314,20 +334,28 @@ class CompletionService:
                 if out.prompt_logprobs is not None:
                     prompt_logprobs = out.prompt_logprobs
                 # Token by token: a speculative step brings several, and a stop string
-                # ends the output at the token that completes it.
+                # or a guard hit ends the output at the token that completes it.
                 text, taken = "", 0
                 for token in out.new_token_ids:
-                    text += matcher.push(detok.push([token]))
+                    text += scan.push(matcher.push(detok.push([token])))
                     taken += 1
-                    if matcher.hit:
+                    if matcher.hit or scan.hit:
                         break
                 num_tokens += taken
                 pending_ids += out.new_token_ids[:taken]
                 pending_logprobs += (out.logprobs or [])[:taken]
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
-                if finish is not None and not matcher.hit:
-                    text += matcher.flush()
-                if matcher.hit and options.include_stop_str_in_output:
+                if finish is not None:  # the output's last text: nothing is held back now
+                    text += scan.finish(matcher.flush())
+                if scan.hit:
+                    finish = "content_filter"
+                    self.metrics.guardrail_hit("completion")
+                    logger.info(
+                        "[%s] output ended by the content guard (%s)",
+                        request.request_id,
+                        scan.hit.rule,
+                    )
+                elif matcher.hit and options.include_stop_str_in_output:
                     text += matcher.matched or ""
                 if finish is not None:
                     self.metrics.finished(finish, request.arrival_time, out.timings)
@@ -339,7 +367,7 @@ class CompletionService:
                         pending_ids,
                         num_cached,
                         pending_logprobs,
-                        matcher.matched,
+                        matcher.matched if finish == "stop" else None,
                         out.kv_transfer_params,
                         prompt_logprobs,
                     )

@@ -7,8 +7,9 @@ Two kinds, and how several API-server processes add up:
   ``SchedulerStats``; every API server exports the same values, so a scrape of any one
   gives the whole engine (do not sum them across processes);
 - per-request latencies (TTFT, inter-token, end-to-end, queue, prefill, decode),
-  finished-request counts and HTTP counts are observed by the process that served the
-  request; with several processes, scrape each and sum by series (``sum by (le)``).
+  finished-request counts, content-guard hits and HTTP counts are observed by the
+  process that served the request; with several processes, scrape each and sum by
+  series (``sum by (le)``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -38,6 +39,9 @@ from common.messages import (
 )
 
 PREFIX = "tandem:"
+# Where the content guard found a match: the prompt (refused) or the output (ended).
+GuardPlace = Literal["prompt", "completion"]
+GUARD_PLACES: tuple[GuardPlace, ...] = ("prompt", "completion")
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -284,6 +288,14 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.guardrail_hits = Counter(
+            PREFIX + "guardrail_hits",
+            "Prompts refused and outputs ended by the content guard (--guard-blocklist).",
+            ["model_name", "where"],
+            registry=self.registry,
+        )
+        for where in GUARD_PLACES:  # both series from the start, at 0
+            self.guardrail_hits.labels(model_name, where)
         self.http = Counter(
             "http_requests",
             "HTTP requests by route, method and status.",
@@ -298,6 +310,9 @@ class Metrics:
             self.queue.observe(timings.queued_s)
             self.prefill.observe(timings.prefill_s)
             self.decode.observe(timings.decode_s)
+
+    def guardrail_hit(self, where: GuardPlace) -> None:
+        self.guardrail_hits.labels(self.model_name, where).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.exposed)

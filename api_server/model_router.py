@@ -32,6 +32,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from api_server.app_parts import STATIC_DIR, chat_page, cors, exception_handlers
+from api_server.blocklist import content_guard
 from api_server.guard import Guard
 from api_server.http_util import cancel_on_disconnect
 from api_server.lora_routes import admin_keys_from_env
@@ -187,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv, prog="python -m api_server.model_router")
     setup_logging(config.server.log_level, "model_router")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed request, else
-    try:  # a bad certificate is one line here, not a traceback from uvicorn
+    try:  # a bad certificate or blocklist is one line here, not a failed load later
         check_tls_files(*config.server.tls_flags)
+        content_guard(config.server.guard_blocklist)  # each model's API servers apply it
     except ValueError as e:
         logger.error("%s", e)
         return 2

@@ -33,6 +33,9 @@ from api_server.responses_protocol import (
 from api_server.tool_protocol import ToolCall, ToolCallFunction
 from common.messages import ModelInfo
 
+# Finish reasons that leave a response "incomplete", and the reason it then gives.
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
@@ -204,7 +207,7 @@ class ResponsesFormat:
         source = request.source
         choice = gen.choices[0]
         usage = gen.usage()
-        cut = choice.last is not None and choice.last.finish_reason == "length"
+        cut = INCOMPLETE_REASONS.get(choice.last.finish_reason or "") if choice.last else None
         if status != "in_progress":
             status = "incomplete" if cut else "completed"
         return {
@@ -215,9 +218,7 @@ class ResponsesFormat:
             "model": gen.model,
             "output": items,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
+            "incomplete_details": {"reason": cut} if status == "incomplete" else None,
             "instructions": source.instructions,
             "max_output_tokens": source.max_output_tokens,
             "temperature": source.temperature,
@@ -262,7 +263,7 @@ class ResponsesFormat:
         ]
 
     def stream_piece(self, gen: Generation, choice: Choice, piece: Piece) -> list[str]:
-        cut = piece.finish_reason == "length"
+        cut = piece.finish_reason in INCOMPLETE_REASONS
         return self._items(choice).push(piece.text, piece.finish_reason is not None, cut)
 
     def stream_end(self, gen: Generation) -> list[str]:
@@ -279,7 +280,7 @@ class ResponsesFormat:
     def body(self, gen: Generation) -> dict[str, Any]:
         choice = gen.choices[0]
         items = OutputItems(self.chat.template.reader(choice.prompt))
-        cut = choice.last is not None and choice.last.finish_reason == "length"
+        cut = choice.last is not None and choice.last.finish_reason in INCOMPLETE_REASONS
         items.push(choice.text, final=True, cut=cut)
         return self._finish(gen, items.items)
 

@@ -304,6 +304,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="refuse unknown request fields with 422; by default they are ignored, logged "
         "and named in the X-Tandem-Ignored-Fields response header (as vLLM)",
     )
+    h.add_argument(
+        "--guard-blocklist",
+        default=d.server.guard_blocklist,
+        metavar="FILE",
+        help="refuse prompts (400, code content_filter) and end outputs (finish_reason "
+        "content_filter) that contain a word of FILE: one a line, case-insensitive whole "
+        "words, re:PATTERN for a regular expression, # comments (docs/guardrails.md)",
+    )
     add_tls_args(parser)
     p = parser.add_argument_group("worker pools (prefill/decode disaggregation)")
     p.add_argument(

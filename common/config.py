@@ -256,6 +256,9 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # the CAs client certificates must chain to
     ssl_cert_reqs: int = CERT_NONE  # ssl.VerifyMode: 2 = client certificate required
+    # Words and patterns refused in prompts and outputs (api_server/blocklist.py); read
+    # by the API servers alone, which refuse a file they cannot use at startup.
+    guard_blocklist: str | None = None
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
