@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from types import FrameType
 from typing import Any
@@ -40,6 +41,7 @@ from api_server.model_routes import FLAVOURS, ROUTED_POSTS, ModelRouter
 from api_server.model_slots import ModelService, ModelSlots
 from common.cli_args import parse_config
 from common.config import TandemConfig
+from common.env_flags import env_name
 from common.logs import setup_logging
 from common.model_set_config import model_name_of
 from common.process import PARENT_DIED, die_with_parent, exit_without_teardown, start_module
@@ -65,9 +67,16 @@ def _starter(index_of: dict[str, int]) -> Any:
 
     def start(config: TandemConfig, port: int) -> Any:
         child = service_config(config, port, index_of[config.model.model])
-        return start_module("common.cli", ["serve", *child.to_cli_args()])
+        return start_module("common.cli", ["serve", *child.to_cli_args()], env=service_env())
 
     return start
+
+
+def service_env() -> dict[str, str]:
+    """This environment without the TLS flags' variables: a flag left off a command line
+    is read from ``TANDEM_SSL_*``, which would turn a service's HTTPS back on."""
+    tls = {env_name("--" + name.replace("_", "-")) for name in NO_TLS}
+    return {k: v for k, v in os.environ.items() if k not in tls}
 
 
 def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str, ...]) -> Starlette:

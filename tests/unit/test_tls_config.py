@@ -4,11 +4,12 @@ them), and that files which do not load are one clear line."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from api_server.model_router import service_config
+from api_server.model_router import service_config, service_env
 from common.cli_args import parse_config
 from common.fleet import plan_fleet
 from common.tls_config import check_tls_files
@@ -79,6 +80,19 @@ def test_a_model_routers_services_serve_plain_http_on_loopback() -> None:
     assert child.server.tls_flags == (None, None, None, 0)
     assert "--ssl-certfile" not in child.to_cli_args()
     assert child.server.api_keys == config.server.api_keys and child.model.model == "b"
+
+
+def test_a_model_routers_services_get_no_tls_from_the_environment_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TANDEM_SSL_CERTFILE", "/c.pem")
+    monkeypatch.setenv("TANDEM_SSL_KEYFILE", "/k.pem")
+    monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "7")
+    env = service_env()
+    assert "TANDEM_SSL_CERTFILE" not in env and "TANDEM_SSL_KEYFILE" not in env
+    assert env["TANDEM_MAX_NUM_SEQS"] == "7"  # every other setting reaches the services
+    monkeypatch.setattr(os, "environ", env)
+    assert parse_config(["--model", "b"]).server.scheme == "http"  # as a service parses it
 
 
 def test_a_fleet_refuses_them() -> None:
