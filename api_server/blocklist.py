@@ -11,9 +11,11 @@ empty text is refused at startup with a ``BlocklistError`` naming the line.
 
 An output is scanned as it grows (``BlocklistScan``): the end of the text is held back
 while it may be the start of a blocked word, so no part of a blocked word is ever sent
-and a cut falls right before it; a pattern is searched over the new text and the last
-``LOOKBACK_CHARS`` characters already let through, and a match that began in text
-already let through cuts at the start of the new text (what was sent stays sent).
+and a cut falls right before it. Words are therefore searched over the held-back and
+new text only (their look-behind reading the character before); a pattern is searched
+over the new text and the last ``LOOKBACK_CHARS`` characters already let through, and
+a match that began in text already let through cuts at the start of the new text (what
+was sent stays sent).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from api_server.content_guard import ContentGuard, GuardHit, NoContentGuard
 REGEX_PREFIX = "re:"
 # How far back in text already let through a pattern's match may begin; longer matches
 # that began earlier are not seen (each push costs a search over this many characters).
+# Also the longest end held back as a phrase's start (a space in one matches any run).
 LOOKBACK_CHARS = 256
 # Probes for a pattern that matches empty text (it would block every text).
 _EMPTY_PROBES = ("", "word", "two words.\n")
@@ -88,6 +91,8 @@ class Blocklist:
     """A ``ContentGuard`` refusing a blocklist's entries; its scans hold back a
     possible word's start (see the module docstring)."""
 
+    checks_prompts = True
+
     def __init__(self, entries: list[Entry], source: str = "--guard-blocklist") -> None:
         self.source = source
         self.entries = entries
@@ -126,8 +131,8 @@ class Blocklist:
             if m is not None and (hit is None or m.start() < hit.start):
                 hit = GuardHit(self._rule(entry), m.start())
         undecided = len(text)
-        if self._words:
-            m = _ending_after(self._any_word, text, after)
+        if self._words:  # no word begins before ``after``: a scan holds back its start
+            m = _ending_after(self._any_word, text, after, after)
             if m is not None and (final or m.end() < len(text)):
                 if hit is None or m.start() < hit.start:
                     hit = GuardHit(self._rule(self._word_of(m.group())), m.start())
@@ -140,8 +145,13 @@ class Blocklist:
     def _word_start(self, text: str, after: int) -> int:
         """Where the longest end of ``text`` (past ``after``) that begins a blocked word
         starts, as a whole word would; ``len(text)`` if none does."""
-        # A phrase's spaces may be runs of whitespace: look a little further back.
-        first = max(after, len(text) - 2 * self._longest_word - 8)
+        # No end with more letters than the longest word begins one; a phrase's spaces
+        # may be runs of whitespace, held back up to LOOKBACK_CHARS.
+        first, letters = len(text), 0
+        bound = max(after, len(text) - LOOKBACK_CHARS)
+        while first > bound and letters < self._longest_word:
+            first -= 1
+            letters += not text[first].isspace()
         for start in range(first, len(text)):
             if text[start].isspace() or (start and _is_word_char(text[start - 1])):
                 continue
@@ -163,10 +173,12 @@ class Blocklist:
         return f"{self.source} line {entry.line}"
 
 
-def _ending_after(pattern: re.Pattern[str], text: str, after: int) -> re.Match[str] | None:
-    """The leftmost match of ``pattern`` in ``text`` that ends past ``after``: one ending
-    earlier lies in text already let through, judged before."""
-    pos = 0
+def _ending_after(
+    pattern: re.Pattern[str], text: str, after: int, pos: int = 0
+) -> re.Match[str] | None:
+    """The leftmost match of ``pattern`` in ``text`` that starts at ``pos`` or later and
+    ends past ``after``: one ending earlier lies in text already let through, judged
+    before. (Look-behinds still see the text before ``pos``.)"""
     while (m := pattern.search(text, pos)) is not None:
         if m.end() > after:
             return m

@@ -63,7 +63,12 @@ class CompletionFormat:
             ids = self.service.tokenize(prompt, info, request.add_special_tokens)
             if request.truncate_prompt_tokens is not None:
                 ids = ids[-request.truncate_prompt_tokens :]
-            text = prompt if isinstance(prompt, str) else self.service.tokenizer.decode(ids)
+            if isinstance(prompt, str):
+                text = prompt
+            elif request.echo or self.service.guard.checks_prompts:
+                text = self.service.tokenizer.decode(ids)
+            else:
+                text = ""  # token ids that nothing reads as text
             prompts.append(Prompt(ids, text if request.echo else "", text=text))
         return prompts
 

@@ -42,6 +42,12 @@ class OutputScan(Protocol):
 
 
 class ContentGuard(Protocol):
+    @property
+    def checks_prompts(self) -> bool:
+        """Whether ``check`` can refuse a prompt: a route reads a prompt's text for it
+        only then (a completion's token-id prompt is decoded only for it or ``echo``)."""
+        ...
+
     def check(self, text: str) -> GuardHit | None:
         """The first match in a whole text (a prompt), or None."""
         ...
@@ -64,6 +70,8 @@ class _PassThrough:
 
 class NoContentGuard:
     """No guard: every prompt passes, outputs pass as they come."""
+
+    checks_prompts = False
 
     def check(self, text: str) -> GuardHit | None:
         return None

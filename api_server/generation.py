@@ -90,6 +90,48 @@ class Piece:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+class HeldTokens:
+    """An output's token ids and logprobs waiting for their text: each goes out with the
+    piece that carries the end of its text (one with no text of its own, with the next
+    token's), so a piece never shows a token whose text was held back or cut off."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._ends: list[int] = []  # where each token's text ends in the output's text
+        self._num_chars = 0  # the output's text so far, as the detokenizer wrote it
+        self._num_taken = 0  # where the text of the last token taken ends
+
+    def add(self, token_id: int, logprobs: TokenLogprobs | None, text: str) -> None:
+        self._ids.append(token_id)
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
+        self._num_chars += len(text)
+        self._ends.append(self._num_chars)
+
+    def take(self, num_sent: int) -> tuple[list[int], list[TokenLogprobs]]:
+        """The tokens whose text lies within the first ``num_sent`` characters sent."""
+        n, start = 0, self._num_taken
+        for i, end in enumerate(self._ends):
+            if end > num_sent:
+                break
+            if end > start:
+                n, self._num_taken = i + 1, end
+            start = end
+        return self._split(n)
+
+    def take_all(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """Every token: the output ended and the guard cut nothing (text past a stop
+        string is cut, but its tokens were generated and count)."""
+        return self._split(len(self._ids))
+
+    def _split(self, n: int) -> tuple[list[int], list[TokenLogprobs]]:
+        ids, self._ids = self._ids[:n], self._ids[n:]
+        logprobs, self._logprobs = self._logprobs[:n], self._logprobs[n:]
+        del self._ends[:n]
+        return ids, logprobs
+
+
 class CompletionService:
     """Everything the routes share: the tokenizer, the engine client, the model name, the
     model's sampling defaults, the token rate limiter, the metrics, the content guard.
@@ -310,8 +352,8 @@ class CompletionService:
         scan = self.guard.scan()  # after the stop strings: text past one is never output
         num_tokens = 0
         num_cached = 0
-        pending_ids: list[int] = []  # ids whose text is not complete yet
-        pending_logprobs: list[TokenLogprobs] = []
+        held = HeldTokens()
+        num_sent = 0  # characters sent, a prefix of the detokenizer's text
         prompt_logprobs: list[TokenLogprobs] | None = None  # until a piece carries them
         last_token_time: float | None = None
         # aclosing: leaving early (stop string, client gone) aborts it in the engine now.
@@ -335,18 +377,20 @@ class CompletionService:
                     prompt_logprobs = out.prompt_logprobs
                 # Token by token: a speculative step brings several, and a stop string
                 # or a guard hit ends the output at the token that completes it.
-                text, taken = "", 0
-                for token in out.new_token_ids:
-                    text += scan.push(matcher.push(detok.push([token])))
-                    taken += 1
+                text, logprobs = "", out.logprobs or []
+                for k, token in enumerate(out.new_token_ids):
+                    token_text = detok.push([token])
+                    held.add(token, logprobs[k] if k < len(logprobs) else None, token_text)
+                    text += scan.push(matcher.push(token_text))
+                    num_tokens += 1
                     if matcher.hit or scan.hit:
                         break
-                num_tokens += taken
-                pending_ids += out.new_token_ids[:taken]
-                pending_logprobs += (out.logprobs or [])[:taken]
                 finish = "stop" if matcher.hit else finish_reason_text(out.finish_reason)
                 if finish is not None:  # the output's last text: nothing is held back now
-                    text += scan.finish(matcher.flush())
+                    last = matcher.flush()  # "" after a stop string, which the guard reads
+                    if matcher.hit and options.include_stop_str_in_output:
+                        last = matcher.matched or ""
+                    text += scan.finish(last)
                 if scan.hit:
                     finish = "content_filter"
                     self.metrics.guardrail_hit("completion")
@@ -355,23 +399,26 @@ class CompletionService:
                         request.request_id,
                         scan.hit.rule,
                     )
-                elif matcher.hit and options.include_stop_str_in_output:
-                    text += matcher.matched or ""
                 if finish is not None:
                     self.metrics.finished(finish, request.arrival_time, out.timings)
                 if text or finish is not None:
+                    num_sent += len(text)
+                    if finish is not None and not scan.hit:
+                        ids, id_logprobs = held.take_all()
+                    else:  # a token goes with the end of its text: none cut off is shown
+                        ids, id_logprobs = held.take(num_sent)
                     yield Piece(
                         text,
                         finish,
                         num_tokens,
-                        pending_ids,
+                        ids,
                         num_cached,
-                        pending_logprobs,
+                        id_logprobs,
                         matcher.matched if finish == "stop" else None,
                         out.kv_transfer_params,
                         prompt_logprobs,
                     )
-                    pending_ids, pending_logprobs, prompt_logprobs = [], [], None
+                    prompt_logprobs = None
                 if finish is not None:
                     return
 

@@ -19,6 +19,7 @@ MODEL = "smollm2-135m-instruct"
 # Greedy SmolLM2 (float32) answers these with "Paris" early on. (Its chat template's own
 # system prompt says "trained by Hugging Face": a template's text is not screened.)
 PROMPT = "The capital of France is"
+ASKED = "Q: What is the capital of France?\nA:"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCKLIST = """\
 # the test's blocklist
@@ -120,6 +121,41 @@ def test_a_completion_that_hits_ends_right_before_the_word(guarded: TandemStack)
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
     assert reasons == [None] * (len(chunks) - 1) + ["content_filter"]
     assert chunks[-1]["usage"]["completion_tokens"] < 32
+
+
+def test_token_ids_and_logprobs_end_where_the_text_does(guarded: TandemStack) -> None:
+    # Greedy: PROMPT gets " Paris" at once (its space is sent, its token is not), ASKED
+    # " The capital of France is Paris".
+    for prompt in (PROMPT, ASKED):
+        greedy = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "return_token_ids": True}
+        before = post(guarded, "/v1/completions", **greedy, stop=["Paris"]).json()["choices"][0]
+        # A stop string's cut shows the token that wrote "Paris" (its last); the guard's not.
+        plain = post(guarded, "/v1/completions", **greedy, logprobs=1).json()["choices"][0]
+        assert plain["finish_reason"] == "content_filter"
+        ids = plain["token_ids"]
+        assert ids == before["token_ids"][:-1]
+        logprobs = plain["logprobs"] or {"tokens": [], "token_logprobs": []}  # None: no token
+        tokens = logprobs["tokens"]
+        assert len(tokens) == len(logprobs["token_logprobs"]) == len(ids)
+        assert plain["text"].startswith("".join(tokens))
+
+        events = streamed(guarded, "/v1/completions", **greedy, logprobs=1)
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert [t for c in chunks for t in c["token_ids"]] == ids
+        assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == tokens
+    assert ids, "ASKED shows the tokens before the word"
+
+
+def test_a_stop_string_kept_in_the_output_is_screened(guarded: TandemStack) -> None:
+    greedy = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "stop": ["Paris"]}
+    expected = post(guarded, "/v1/completions", **greedy).json()["choices"][0]["text"]
+    for events in (
+        [post(guarded, "/v1/completions", **greedy, include_stop_str_in_output=True).text],
+        streamed(guarded, "/v1/completions", **greedy, include_stop_str_in_output=True)[:-1],
+    ):
+        choices = [json.loads(e)["choices"][0] for e in events]
+        assert "".join(c["text"] for c in choices) == expected
+        assert choices[-1]["finish_reason"] == "content_filter"
 
 
 def test_chat_messages_and_responses_end_with_their_own_reasons(guarded: TandemStack) -> None:

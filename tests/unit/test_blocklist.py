@@ -124,6 +124,19 @@ def test_every_split_of_a_text_cuts_right_before_the_word(blocklist: Blocklist) 
         assert scanned(blocklist, chunks) == (clean, None), size
 
 
+def test_a_phrase_is_held_back_across_a_long_run_of_whitespace() -> None:
+    phrase = Blocklist(parse_blocklist("bad thing\n"))
+    scan = phrase.scan()
+    assert scan.push("a bad") == "a "
+    assert all(scan.push(" ") == "" for _ in range(100))  # still "bad thing"'s start
+    assert scan.push("thing") == "" and scan.push(".") == ""
+    assert scan.hit is not None and scan.hit.start == 2
+    far = phrase.scan()  # a run past the look-back is no longer held: "bad" goes out
+    assert "".join(far.push(c) for c in ["a bad", " " * LOOKBACK_CHARS, "thing", "."]) == (
+        "a bad" + " " * LOOKBACK_CHARS + "thing."
+    )
+
+
 def test_a_pattern_across_chunks_is_caught_but_what_was_sent_stays_sent(
     blocklist: Blocklist,
 ) -> None:
@@ -178,8 +191,9 @@ def test_the_flag_chooses_the_guard_once(tmp_path: Path) -> None:
     assert parse_config(config.to_cli_args()) == config  # children get the same flag
     guard = content_guard(config.server.guard_blocklist)
     assert isinstance(guard, Blocklist) and guard.check("a cat") is not None
+    assert guard.checks_prompts
     none = content_guard(parse_config([]).server.guard_blocklist)
     assert isinstance(none, NoContentGuard)
-    assert none.check("a cat") is None
+    assert none.check("a cat") is None and not none.checks_prompts
     scan = none.scan()
     assert scan.push("a c") == "a c" and scan.finish("at") == "at" and scan.hit is None
