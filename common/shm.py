@@ -155,16 +155,29 @@ def attach_segment(name: str, size: int, timeout_s: float = 60.0) -> shared_memo
     except FileExistsError:
         deadline = time.monotonic() + timeout_s
         while True:
-            segment = shared_memory.SharedMemory(name=name)
-            if segment.size >= size:
+            opened = _open_sized(name, size)
+            if opened is not None:
+                segment = opened
                 break
-            segment.close()  # its creator has not sized it yet
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"shared-memory segment {name} never reached {size} bytes"
                 ) from None
             time.sleep(0.05)
     return _in_use(segment)
+
+
+def _open_sized(name: str, size: int) -> shared_memory.SharedMemory | None:
+    """The segment mapped, or None while its creator has not yet sized it to ``size``
+    (an empty one, between its ``shm_open`` and ``ftruncate``, ``mmap`` refuses)."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except ValueError:  # "cannot mmap an empty file"
+        return None
+    if segment.size >= size:
+        return segment
+    segment.close()
+    return None
 
 
 def map_segment(name: str) -> shared_memory.SharedMemory:

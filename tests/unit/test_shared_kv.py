@@ -6,6 +6,7 @@ alone."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,4 +143,22 @@ def test_another_users_segment_is_left_alone(
         assert (SHM_DIR / name).exists()
     finally:
         monkeypatch.undo()
+        unlink_segment(name)
+
+
+def test_a_segment_created_but_not_yet_sized_is_waited_for() -> None:
+    """Two workers of a split pair race to create the KV segment: the loser may open it in
+    the instant between the winner's ``shm_open`` and its ``ftruncate`` (an empty file,
+    which ``mmap`` refuses). The loser waits for the full size instead of failing."""
+    name = segment_name(new_service_id(), "kv")
+    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # unsized
+    sized = threading.Timer(0.3, os.ftruncate, (fd, 8192))
+    sized.start()
+    try:
+        segment = attach_segment(name, 8192, timeout_s=10.0)
+        assert segment.size >= 8192
+        segment.close()
+    finally:
+        sized.join()
+        os.close(fd)
         unlink_segment(name)
