@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.audit_config import add_audit_args
 from common.config import (
     API_KEYS_ENV,
     ATTENTION_BACKENDS,
@@ -18,6 +19,7 @@ from common.config import (
 from common.env_flags import apply_env_defaults
 from common.lora_config import add_lora_args
 from common.model_set_config import ModelsAction, add_model_set_args
+from common.oidc_config import add_oidc_args
 from common.tls_config import add_tls_args
 
 
@@ -312,7 +314,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "content_filter) that contain a word of FILE: one a line, case-insensitive whole "
         "words, re:PATTERN for a regular expression, # comments (docs/guardrails.md)",
     )
+    h.add_argument(
+        "--otlp-traces-endpoint",
+        default=d.server.otlp_traces_endpoint,
+        metavar="URL",
+        help="export OpenTelemetry traces (OTLP over HTTP/protobuf) to URL, e.g. "
+        "http://localhost:4318/v1/traces; W3C traceparent is taken from requests "
+        "(default: no tracing)",
+    )
     add_tls_args(parser)
+    add_oidc_args(parser)
+    add_audit_args(parser)
     p = parser.add_argument_group("worker pools (prefill/decode disaggregation)")
     p.add_argument(
         "--prefill-workers",

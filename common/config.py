@@ -15,12 +15,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.audit_config import check_audit_flags
 from common.config_checks import is_private_address, require
 from common.kv_events_config import KVEventsConfig, parse_kv_events_config
 from common.kv_transfer_config import KVRole
 from common.lora_config import LoRAModule, check_lora_flags, parse_lora_module
 from common.messages import PoolRole
 from common.model_set_config import ModelSetConfig, check_model_set
+from common.oidc_config import DEFAULT_TENANT_CLAIM, check_oidc_flags
 from common.pool_config import DisaggConfig
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from common.tls_config import CERT_NONE, check_tls_flags, uvicorn_tls_options
@@ -259,6 +261,16 @@ class ServerConfig:
     # Words and patterns refused in prompts and outputs (api_server/blocklist.py); read
     # by the API servers alone, which refuse a file they cannot use at startup.
     guard_blocklist: str | None = None
+    # OIDC sign-in (common/oidc_config.py): URLs and a claim name, not secrets.
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    oidc_jwks_url: str | None = None
+    oidc_tenant_claim: str = DEFAULT_TENANT_CLAIM
+    # The audit log (common/audit_config.py): a path, or "-" for stdout.
+    audit_log: str | None = None
+    audit_log_raw: bool = False
+    # OTLP traces (vLLM's flag): off without an endpoint.
+    otlp_traces_endpoint: str | None = None
     # Secrets: never put on a command line (``to_cli_args`` skips them); children get
     # them through the TANDEM_API_KEYS environment variable.
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
@@ -300,6 +312,15 @@ class ServerConfig:
             "--log-level must be debug, info, warning or error",
         )
         check_tls_flags(*self.tls_flags)
+        check_oidc_flags(
+            self.oidc_issuer, self.oidc_audience, self.oidc_jwks_url, self.oidc_tenant_claim
+        )
+        check_audit_flags(self.audit_log, self.audit_log_raw)
+        require(
+            not self.otlp_traces_endpoint
+            or self.otlp_traces_endpoint.startswith(("http://", "https://")),
+            f"--otlp-traces-endpoint takes an http(s) URL, got {self.otlp_traces_endpoint!r}",
+        )
 
     @property
     def tls_flags(self) -> tuple[str | None, str | None, str | None, int]:
