@@ -76,9 +76,16 @@ def caller_of(request: Request) -> str:
 
 
 def key_id_of(request: Request) -> str | None:
-    """The API key (by digest prefix) that made this request; None when keys are off."""
+    """The API key (by digest prefix) or OIDC tenant that made this request; None when
+    sign-in is off."""
     key_id = request.scope.get("state", {}).get("key_id")
     return None if key_id is None else str(key_id)
+
+
+def tenant_of(request: Request) -> str | None:
+    """The OIDC tenant that signed this request in; None for API keys or no sign-in."""
+    tenant = request.scope.get("state", {}).get("tenant")
+    return None if tenant is None else str(tenant)
 
 
 def sse(data: dict[str, Any] | str) -> str:
