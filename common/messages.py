@@ -227,6 +227,9 @@ class EngineRequest(_Wire, tag=True):
     # A fleet's prefill/decode split: prefill it for a remote decode, or pull its KV.
     kv_transfer: KVTransferParams | None = None
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    # W3C traceparent/tracestate of the API server's request span, when tracing is on
+    # (``common/tracing.py``): the engine's spans of this request join that trace.
+    trace_headers: dict[str, str] | None = None
 
 
 class AbortRequests(_Wire, tag=True):

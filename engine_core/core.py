@@ -47,6 +47,7 @@ from engine_core.lora_registry import LoRARegistry
 from engine_core.remote_kv import NoRemoteKV, Outgoing, RemoteKV, role_refusal
 from engine_core.request import Request
 from engine_core.request_checks import request_error
+from engine_core.request_spans import NoRequestSpans
 from engine_core.scheduler import ClientOutputs, Scheduler
 from engine_core.topology import Pool, Slot, Topology, build_topology
 
@@ -65,10 +66,13 @@ class EngineCore:
         config: TandemConfig,
         pools: Mapping[PoolRole, Pool],
         clock: Callable[[], float] = time.monotonic,
+        spans: NoRequestSpans | None = None,
     ) -> None:
         self.config = config
         self.pools = dict(pools)
         self._clock = clock
+        # Traced requests' phase times; their spans are made as their last output leaves.
+        self.spans = spans or NoRequestSpans()
         self.topology: Topology | None = None
         self.model: ModelInfo | None = None
         self.loras = LoRARegistry()  # --lora-modules join at start, once checked
@@ -136,6 +140,7 @@ class EngineCore:
             )
             return {message.client_id: [refusal]}
         request = Request.from_engine_request(message)
+        self.spans.arrived(request, message.trace_headers)
         misplaced = role_refusal(self.remote.role, request)
         if misplaced is not None:
             why, param = misplaced
@@ -242,12 +247,14 @@ class EngineCore:
             return False  # nothing could run (a static batch still forming)
         slot.pool.submit(work)
         slot.in_flight.append(work)
+        self.spans.submitted(slot.role, work)
         return True
 
     def _finish_step(self, slot: Slot, events: PoolEvents) -> ClientOutputs:
         assert events.result is not None
         work = slot.in_flight.popleft()
         assert events.result.step_id == work.step_id, "a pool answers its steps in order"
+        self.spans.step_done(slot.role, work)
         out = slot.scheduler.update_from_output(work, events.result)
         merge(out, slot.side.on_step_done(events.result))
         for request in slot.scheduler.take_handoffs():

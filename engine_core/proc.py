@@ -45,10 +45,12 @@ from common.messages import (
 )
 from common.process import freeze_startup_heap
 from common.shm import ServiceLock, new_service_id, remove_stale
+from common.tracing import start_tracing
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerDied, WorkerPool
 from engine_core.kv_event_publisher import KVEventStreams
 from engine_core.kv_side_channel import KVSideChannel
+from engine_core.request_spans import request_spans
 from engine_core.scheduler import ClientOutputs
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,9 @@ class EngineCoreProc:
         self.pools: dict[PoolRole, WorkerPool] = {
             spec.role: WorkerPool(spec, config, runtime_dir) for spec in config.disagg.pool_specs()
         }
-        self.core = EngineCore(config, self.pools)
+        self._tracing = start_tracing(config.server.otlp_traces_endpoint, "tandem-engine-core")
+        spans = request_spans(self._tracing, config.served_model_name)
+        self.core = EngineCore(config, self.pools, spans=spans)
         self._side_wake: zmq.Socket[bytes] | None = None
         self._side_channel = self._open_side_channel(keys)
         self._kv_events = KVEventStreams(self._ctx, config.cache.kv_events, [])  # at start
@@ -259,6 +263,7 @@ class EngineCoreProc:
             self._emit(refusal_outputs)
 
     def _emit(self, outputs: ClientOutputs) -> None:
+        self.core.spans.finished(outputs)  # every request's last output passes here
         stats = self._publish()
         for client_id, request_outputs in outputs.items():
             self._outputs.put((client_id, EngineOutputs(request_outputs, stats)))
@@ -325,6 +330,7 @@ class EngineCoreProc:
             self._auth.stop()
         self._ctx.term()
         self._service.release()
+        self._tracing.shutdown()
 
     # ------------------------------------------------------------------ I/O threads
 

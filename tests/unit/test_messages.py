@@ -40,6 +40,7 @@ def test_engine_request_encoding_is_pinned() -> None:
         None,  # owner, appended after cache_salt
         None,  # kv_transfer (a fleet's prefill/decode split), appended after owner
         None,  # lora (the request's LoRA adapter), appended after kv_transfer
+        None,  # trace_headers (W3C trace context, with tracing on), appended after lora
     ]
 
 
