@@ -18,7 +18,8 @@ from types import FrameType
 
 import uvicorn
 
-from api_server.app import create_app
+from api_server.app import ROUTE_PATHS, create_app
+from api_server.audit_log import open_audit_log
 from api_server.blocklist import content_guard
 from api_server.client import EngineClient
 from api_server.content_guard import ContentGuard
@@ -26,9 +27,12 @@ from api_server.generation import CompletionService
 from api_server.http_protocol import with_header_timeout
 from api_server.instance_info import InstanceInfo
 from api_server.lora_routes import LoRARoutes, admin_keys_from_env
+from api_server.oidc import verifier_from
 from api_server.rate_limit import RateLimiter
+from api_server.request_tracing import trace_requests
 from api_server.sampling_defaults import load_sampling_defaults
 from api_server.tokenizer_loader import load_tokenizer
+from common.audit_config import check_audit_sink
 from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.logs import setup_logging
@@ -42,6 +46,7 @@ from common.process import (
     record_exit_reason,
 )
 from common.tls_config import check_tls_files
+from common.tracing import start_tracing
 
 logger = logging.getLogger("api_server")
 
@@ -159,6 +164,12 @@ async def serve(config: TandemConfig, guard: ContentGuard) -> int:
         sampling_defaults=defaults,
         guard=guard,
     )
+    audit = open_audit_log(
+        config.server.audit_log,
+        config.server.audit_log_raw,
+        service.metrics.audit_written,
+        service.metrics.audit_dropped,
+    )
     app = create_app(
         service,
         chat_template,
@@ -182,10 +193,13 @@ async def serve(config: TandemConfig, guard: ContentGuard) -> int:
         if config.model.enable_lora
         else None,
         admin_keys_from_env(),
+        verifier_from(config.server),
+        audit=audit,
     )
+    tracing = start_tracing(config.server.otlp_traces_endpoint, "tandem-api-server")
     server = _Server(
         uvicorn.Config(
-            app,
+            trace_requests(app, tracing, ROUTE_PATHS),
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,
@@ -207,6 +221,9 @@ async def serve(config: TandemConfig, guard: ContentGuard) -> int:
         logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
     finally:
         await client.close()
+        tracing.shutdown()  # the spans of the requests just ended reach the collector
+        if audit is not None:  # the lines of the requests just ended reach the sink
+            audit.close()
     if not server.started:
         record_exit_reason(
             f"the API server could not listen on {config.server.host}:{config.server.port} "
@@ -224,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # a bad certificate or blocklist is one line here, not a traceback later
         check_tls_files(*config.server.tls_flags)
+        check_audit_sink(config.server.audit_log)
         guard = content_guard(config.server.guard_blocklist)
     except ValueError as e:
         logger.error("%s", e)

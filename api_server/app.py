@@ -25,6 +25,8 @@ from starlette.staticfiles import StaticFiles
 
 from api_server.anthropic_api import MessagesFormat
 from api_server.app_parts import STATIC_DIR, chat_page, cors, exception_handlers
+from api_server.audit_log import AuditLog
+from api_server.audit_middleware import audited
 from api_server.chat import ChatFormat, ChatTemplate
 from api_server.completions import CompletionFormat
 from api_server.driver import ApiFormat, GenerationDriver
@@ -36,6 +38,7 @@ from api_server.http_util import parse as http_parse
 from api_server.instance_info import InstanceInfo, instance_routes
 from api_server.lora_routes import LoRARoutes, adapter_cards
 from api_server.metrics import HttpMetrics
+from api_server.oidc import TokenVerifier
 from api_server.openapi import openapi_document
 from api_server.protocol import DetokenizeRequest, TokenizeRequest, now
 from api_server.reasoning import REASONING_PARSERS_BY_NAME
@@ -125,6 +128,8 @@ def create_app(
     reasoning_parser: str | None = None,
     lora: LoRARoutes | None = None,
     admin_keys: tuple[str, ...] = (),
+    verifier: TokenVerifier | None = None,
+    audit: AuditLog | None = None,
 ) -> Starlette:
     reasoning = REASONING_PARSERS_BY_NAME[reasoning_parser] if reasoning_parser else None
     template = ChatTemplate(service, chat_template, tool_call_parser, reasoning)
@@ -292,6 +297,7 @@ def create_app(
         exception_handlers=exception_handlers(error_formats, max_body_bytes, read_timeout_s),
         middleware=[
             *cors(allowed_origins),
+            *audited(audit),  # outside the guard: its refusals have their lines too
             Middleware(HttpMetrics, metrics=service.metrics, routes=ROUTE_PATHS),
             Middleware(
                 Guard,
@@ -301,6 +307,7 @@ def create_app(
                 error_formats=error_formats,
                 read_timeout_s=read_timeout_s,
                 admin_keys=admin_keys,
+                verifier=verifier,
             ),
         ],
     )

@@ -28,6 +28,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from api_server.audit_middleware import audit_of
 from api_server.errors import ApiError, ErrorFormat, error_response
 from api_server.generation import (
     CompletionService,
@@ -36,7 +37,7 @@ from api_server.generation import (
     Piece,
     collect,
 )
-from api_server.http_util import caller_of, first_piece, json_body, key_id_of
+from api_server.http_util import caller_of, first_piece, json_body, key_id_of, tenant_of
 from api_server.kv_transfer_params import parse_kv_transfer_params
 from api_server.protocol import GenerationRequest, usage
 from api_server.reasoning import Reasoning
@@ -230,6 +231,8 @@ class GenerationDriver:
         service, fmt = self.service, self.format
         parsed = fmt.parse(await json_body(request), key_id_of(request))
         req = parsed.request
+        audit = audit_of(request)  # read when the request ends (audit_middleware.py)
+        audit.model = req.model
         lora = service.resolve_model(req.model)
         headers = self._check_fields(parsed)
         req.refuse_unsupported()
@@ -256,6 +259,7 @@ class GenerationDriver:
             service.screen_prompt(prompt.text, request_id)
         model = service.served_model_name if lora is None else lora.name
         gen = Generation(request_id, model, int(time.time()), req, [])
+        audit.generation = gen
         for prompt in prompts:
             for j in range(req.n):
                 k = len(gen.choices)
@@ -271,6 +275,7 @@ class GenerationDriver:
                     kv_transfer,
                     prompt.rules,
                     lora,
+                    tenant_of(request),
                 )
                 gen.choices.append(Choice(k, prompt, pieces))
         try:

@@ -19,6 +19,7 @@ from api_server.content_guard import ContentGuard, NoContentGuard
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.errors import ApiError
 from api_server.metrics import Metrics
+from api_server.oidc import tenant_cache_salt
 from api_server.protocol import GenerationRequest, SamplingDefaults, finish_reason_text
 from api_server.rate_limit import RateLimiter
 from common.messages import (
@@ -31,6 +32,7 @@ from common.messages import (
     StructuredOutput,
     TokenLogprobs,
 )
+from common.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -257,11 +259,13 @@ class CompletionService:
         kv_transfer: KVTransferParams | None = None,
         rules: OutputRules | None = None,
         lora: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> tuple[str, AsyncGenerator[Piece, None]]:
         """Budget the completion, send the request, and return its id and its pieces.
         Choice ``k`` of a request with several gets seed ``seed + k`` so choices differ.
         ``caller`` is charged the prompt's tokens now and the completion's when it ends;
-        ``owner`` (the API key's identity, when keys are on) alone may cancel it."""
+        ``owner`` (the API key's or OIDC tenant's identity, with sign-in on) alone may
+        cancel it; an OIDC ``tenant``'s prefix-cache entries are its own."""
         max_tokens = self.completion_budget(len(prompt_ids), req.requested_max_tokens(), info)
         req.check_token_ids(info.vocab_size)
         if req.min_tokens > max_tokens:
@@ -284,10 +288,11 @@ class CompletionService:
             sampling_params=params,
             arrival_time=time.time(),
             priority=req.priority,
-            cache_salt=req.cache_salt,
+            cache_salt=tenant_cache_salt(tenant, req.cache_salt),
             owner=owner,
             kv_transfer=kv_transfer,
             lora=lora,
+            trace_headers=trace_headers(),  # the request's span, when tracing is on
         )
         logger.info(
             "[%s] %s: %d prompt tokens, max_tokens=%d, stream=%s",

@@ -296,6 +296,7 @@ class Metrics:
         )
         for where in GUARD_PLACES:  # both series from the start, at 0
             self.guardrail_hits.labels(model_name, where)
+        self.audit_written, self.audit_dropped = audit_counters(self.registry, model_name)
         self.http = Counter(
             "http_requests",
             "HTTP requests by route, method and status.",
@@ -316,6 +317,25 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.exposed)
+
+
+def audit_counters(registry: CollectorRegistry, model_name: str) -> tuple[Counter, Counter]:
+    """The audit log's lines (``--audit-log``, ``audit_log.py``), written and dropped (a
+    full queue: the sink fell behind; or a failed write). A model's API servers count
+    their lines, a model router the lines of the requests it answered itself."""
+    written = Counter(
+        PREFIX + "audit_lines_written",
+        "Audit log lines written (--audit-log).",
+        ["model_name"],
+        registry=registry,
+    ).labels(model_name)
+    dropped = Counter(
+        PREFIX + "audit_lines_dropped",
+        "Audit log lines dropped: the sink fell behind (its queue was full) or a write failed.",
+        ["model_name"],
+        registry=registry,
+    ).labels(model_name)
+    return written, dropped
 
 
 class HttpMetrics:

@@ -6,8 +6,9 @@ stops and counts them); this process routes every request by its ``model`` and p
 the answer through untouched, streams included. ``/v1/models`` lists every model with
 its ``status`` (loaded, loading, unloaded), ``/readyz`` is ready while at least one model
 is, ``/metrics`` merges the services' series (each labelled ``model_name``) and adds the
-router's own. API keys and body limits are checked here before a model is loaded (so an
-unauthenticated request never swaps one), and again by the service.
+router's own. API keys, sign-in tokens (OIDC) and body limits are checked here before a
+model is loaded (so an unauthenticated request never swaps one), and again by the
+service, which needs the token's tenant anyway (its cache salt, its cancellation rights).
 
 SIGTERM drains: ``/readyz`` 503, new requests 503, requests in flight may finish for
 ``--shutdown-timeout``, then the services drain and stop. A second signal, or SIGHUP (the
@@ -33,12 +34,17 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from api_server.app_parts import STATIC_DIR, chat_page, cors, exception_handlers
+from api_server.audit_log import AuditLog, open_audit_log
+from api_server.audit_middleware import audited
 from api_server.blocklist import content_guard
 from api_server.guard import Guard
 from api_server.http_util import cancel_on_disconnect
 from api_server.lora_routes import admin_keys_from_env
+from api_server.metrics import audit_counters
 from api_server.model_routes import FLAVOURS, ROUTED_POSTS, ModelRouter
 from api_server.model_slots import ModelService, ModelSlots
+from api_server.oidc import verifier_from
+from common.audit_config import check_audit_sink
 from common.cli_args import parse_config
 from common.config import TandemConfig
 from common.env_flags import env_name
@@ -79,10 +85,17 @@ def service_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in tls}
 
 
-def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str, ...]) -> Starlette:
+def router_app(
+    router: ModelRouter,
+    config: TandemConfig,
+    admin_keys: tuple[str, ...],
+    audit: AuditLog | None = None,
+) -> Starlette:
     """The router's HTTP app: its routes behind the same guard (keys, body limits), CORS
     and error bodies as a single model's API server (``api_server/app.py``); rate limits
-    are the services' own, per model."""
+    are the services' own, per model. Its ``audit`` log has the lines of the generation
+    requests it answers itself (refusals before any model sees them); a service writes
+    the line of each request passed to it."""
     server = config.server
 
     async def livez(request: Request) -> Response:
@@ -107,6 +120,7 @@ def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str,
         ),
         middleware=[
             *cors(server.allowed_origins),
+            *audited(audit),
             Middleware(
                 Guard,
                 api_keys=server.api_keys,
@@ -114,6 +128,7 @@ def router_app(router: ModelRouter, config: TandemConfig, admin_keys: tuple[str,
                 error_formats=FLAVOURS,
                 read_timeout_s=server.request_read_timeout_s,
                 admin_keys=admin_keys,
+                verifier=verifier_from(server),
             ),
         ],
     )
@@ -165,9 +180,14 @@ async def serve(config: TandemConfig) -> int:
         services, set_config.models_max, set_config.model_load_timeout_s, _starter(index_of)
     )
     router = ModelRouter(slots)
+    audit = open_audit_log(
+        config.server.audit_log,
+        config.server.audit_log_raw,
+        *audit_counters(router.registry, "model_router"),
+    )
     server = _RouterServer(
         uvicorn.Config(
-            router_app(router, config, admin_keys_from_env()),
+            router_app(router, config, admin_keys_from_env(), audit),
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,
@@ -190,6 +210,8 @@ async def serve(config: TandemConfig) -> int:
         watch.cancel()
         await slots.stop()
         await router.client.aclose()
+        if audit is not None:
+            audit.close()
     return 0 if server.started else 1
 
 
@@ -199,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed request, else
     try:  # a bad certificate or blocklist is one line here, not a failed load later
         check_tls_files(*config.server.tls_flags)
+        check_audit_sink(config.server.audit_log)
         content_guard(config.server.guard_blocklist)  # each model's API servers apply it
     except ValueError as e:
         logger.error("%s", e)

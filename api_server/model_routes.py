@@ -11,10 +11,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from api_server.audit_middleware import audit_of
 from api_server.errors import (
     ANTHROPIC_ERRORS,
     OPENAI_ERRORS,
@@ -94,6 +96,7 @@ class ModelRouter:
 
     def __init__(self, slots: ModelSlots) -> None:
         self.slots = slots
+        self.registry = CollectorRegistry()  # the router's own series (its audit log's)
         self.draining = False
         self.in_flight = 0
         self.client = httpx.AsyncClient(
@@ -174,6 +177,7 @@ class ModelRouter:
         except BaseException:
             await end()
             raise
+        audit_of(request).hand_on()  # the service answered: its audit log has the line
         return _Passed(upstream, end)
 
     async def fan_out(self, request: Request) -> Response:
@@ -246,6 +250,7 @@ class ModelRouter:
             reply = await self._ask(service, "GET", "/metrics", request)
             if reply is not None and reply.status_code == 200:
                 texts.append((service.name, reply.text))
+        texts.append(("model_router", generate_latest(self.registry).decode()))
         text, content_type = merged_exposition(texts, self.slots.services.values())
         return Response(text, media_type=content_type)
 

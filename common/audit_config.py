@@ -35,3 +35,17 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="put the prompt and completion text in the audit log instead of their SHA-256",
     )
+
+
+def check_audit_sink(path: str | None) -> None:
+    """A ``--audit-log`` file that cannot be appended to, as one line before anything
+    starts (``ValueError``) rather than a traceback from the API server later."""
+    if not path or path == STDOUT:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"--audit-log {path} cannot be opened for appending: {e.strerror}"
+        ) from None

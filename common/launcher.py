@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable
 from types import FrameType
 
+from common.audit_config import check_audit_sink
 from common.config import API_KEYS_ENV, EngineAddresses, TandemConfig
 from common.ipc import make_runtime_dir
 from common.model_files import gguf_source, resolve_model_dir
@@ -183,6 +184,7 @@ def serve(config: TandemConfig) -> int:
             gguf_source(model)
     check_port_free(config.server.host, config.server.port)
     check_tls_files(*config.server.tls_flags)  # read by the process facing clients
+    check_audit_sink(config.server.audit_log)
     runtime_dir = make_runtime_dir()
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)

@@ -1,11 +1,13 @@
 """The content guard on the real stack (``--guard-blocklist``): prompts that hit are
 refused in each flavour's error body, outputs that hit end right before the word with
 finish reason ``content_filter`` (streams end cleanly), hits are counted, and nothing is
-left behind in the engine."""
+left behind in the engine. The same server writes a raw audit log (``--audit-log-raw``):
+its lines hold the text, refusals have theirs."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ paris
 hugging face
 re:\\bforbidden-\\d+\\b
 """
+AUDIT_LOG = "audit.jsonl"
 REFUSED = "the prompt contains text this server's content filter blocks; rephrase it"
 
 
@@ -34,8 +37,23 @@ REFUSED = "the prompt contains text this server's content filter blocks; rephras
 def guarded(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemStack]:
     path = tmp_path_factory.mktemp("guard") / "blocklist.txt"
     path.write_text(BLOCKLIST)
-    with TandemStack("--dtype", "float32", "--guard-blocklist", str(path)) as stack:
+    audit = path.with_name(AUDIT_LOG)
+    flags = ("--guard-blocklist", str(path), "--audit-log", str(audit), "--audit-log-raw")
+    with TandemStack("--dtype", "float32", *flags) as stack:
         yield stack
+
+
+def audit_lines(stack: TandemStack, request_id: str | None = None) -> list[dict[str, Any]]:
+    """The audit log's lines (``request_id``: once it has that one; lines are written by
+    a thread of their own, a moment after the answer)."""
+    path = Path(stack.args[stack.args.index("--audit-log") + 1])
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        if request_id is None or any(line["request_id"] == request_id for line in lines):
+            return lines
+        assert time.monotonic() < deadline, f"no audit line for {request_id}"
+        time.sleep(0.05)
 
 
 def post(stack: TandemStack, route: str, **body: Any) -> httpx.Response:
@@ -207,3 +225,30 @@ def test_hits_are_counted_and_the_server_serves_on(guarded: TandemStack) -> None
         lambda s: s["num_kv_blocks_in_use"] == 0 and not s["active_requests"]
     )
     assert stats["num_kv_blocks_in_use"] == 0 and stats["active_requests"] == 0
+
+
+def test_the_raw_audit_log_has_the_text_and_the_refusals(guarded: TandemStack) -> None:
+    refused = post(
+        guarded, "/v1/messages", max_tokens=4, messages=[{"role": "user", "content": "paris?"}]
+    )
+    assert refused.status_code == 400
+    body = post(
+        guarded, "/v1/completions", prompt="One, two, three,", max_tokens=4, temperature=0, n=2
+    ).json()
+    lines = audit_lines(guarded, body["id"])
+    [line] = [line for line in lines if line["request_id"] == body["id"]]
+    assert line["prompt"] == ["One, two, three,"]
+    assert line["completion"] == [c["text"] for c in body["choices"]]
+    assert line["finish_reasons"] == [c["finish_reason"] for c in body["choices"]]
+    usage = body["usage"]
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert (line["status"], line["outcome"], line["model"]) == (200, "completed", MODEL)
+    assert line["tenant"] == "host:127.0.0.1" and "prompt_sha256" not in line
+    # The refusal's line: before any generation, so its status and route, no text.
+    refusals = [line for line in lines if line["route"] == "/v1/messages" and line["status"] == 400]
+    assert refusals and all(
+        (no["outcome"], no["model"], no["prompt"]) == ("completed", MODEL, []) for no in refusals
+    )

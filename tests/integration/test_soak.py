@@ -1,7 +1,8 @@
 """A soak that loses nothing: 2,000 requests at concurrency 64, random prompt and output
 lengths, a quarter of the clients leaving mid-stream and one in twenty cancelling by id.
 Afterwards: no 5xx, nothing running or waiting, every KV block free, and every process's
-memory (PSS) within 10% of its level after the first 200 requests."""
+memory (PSS) within 10% of its level after the first 200 requests. The server writes an
+audit log meanwhile: one line per request, exactly, and no prompt's text in it."""
 
 from __future__ import annotations
 
@@ -55,8 +56,13 @@ def memory(stack: TandemStack) -> dict[str, int]:
 
 
 async def one(
-    client: httpx.AsyncClient, url: str, rng: random.Random, statuses: Counter[str]
+    client: httpx.AsyncClient,
+    url: str,
+    rng: random.Random,
+    statuses: Counter[str],
+    sent: dict[str, str],
 ) -> None:
+    """One request; ``sent`` maps its id (``X-Request-Id``) to its prompt."""
     # Up to 100 words: prefill is most of the soak's compute, and what it hunts (leaks,
     # requests that do not end exactly once) lives in the request paths, not in long
     # prompts (the split-pool parity and interference tests take those).
@@ -72,9 +78,11 @@ async def one(
     if not body["stream"]:
         r = await client.post(f"{url}/v1/completions", json=body)
         statuses[str(r.status_code)] += 1
+        sent[r.headers.get("x-request-id", f"none-{len(sent)}")] = prompt
         return
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         statuses[str(r.status_code)] += 1
+        sent[r.headers.get("x-request-id", f"none-{len(sent)}")] = prompt
         if r.status_code != 200:
             return
         chunks = 0
@@ -95,9 +103,12 @@ async def one(
 
 
 @pytest.mark.slow
-def test_soak_loses_nothing(smollm2_dir: Path) -> None:
-    with TandemStack("--max-num-seqs", str(CONCURRENCY), "--max-model-len", "512") as stack:
+def test_soak_loses_nothing(smollm2_dir: Path, tmp_path: Path) -> None:
+    audit_log = tmp_path / "audit.jsonl"
+    flags = ("--max-num-seqs", str(CONCURRENCY), "--max-model-len", "512")
+    with TandemStack(*flags, "--audit-log", str(audit_log)) as stack:
         statuses: Counter[str] = Counter()
+        sent: dict[str, str] = {}
         rng = random.Random(2026)
         warm: dict[str, int] = {}
 
@@ -110,7 +121,7 @@ def test_soak_loses_nothing(smollm2_dir: Path) -> None:
                 async def bounded() -> None:
                     nonlocal done
                     async with gate:
-                        await one(client, stack.url, rng, statuses)
+                        await one(client, stack.url, rng, statuses, sent)
                     done += 1
                     if done == WARM:
                         warm.update(memory(stack))
@@ -138,3 +149,16 @@ def test_soak_loses_nothing(smollm2_dir: Path) -> None:
         for name, level in after.items():
             assert level <= 1.10 * warm[name], f"{name} grew from {warm[name]} to {level} bytes"
         assert stack.stop() == 0
+    # The audit log: a line per request (stop() drained the writer), ids as answered.
+    text = audit_log.read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    print(f"audit log: {len(lines)} lines for {NUM_REQUESTS} requests")
+    assert len(lines) == NUM_REQUESTS and len(sent) == NUM_REQUESTS
+    assert sorted(line["request_id"] for line in lines) == sorted(sent)
+    outcomes = Counter(line["outcome"] for line in lines)
+    # A client that left may have had the whole answer sent already: "completed" then.
+    assert outcomes["disconnected"] > 0 and not outcomes["error"], outcomes
+    for line in lines:
+        assert line["route"] == "/v1/completions" and line["status"] == 200, line
+        assert len(line["prompt_sha256"]) == 1 and "prompt" not in line, line
+    assert not [p for p in set(sent.values()) if p in text], "raw prompt text in the audit log"
