@@ -170,7 +170,7 @@ class RequestSpans(NoRequestSpans):
             attributes: dict[str, Any] = {"tandem.pool": str(chunk.role)}
             attributes["tandem.prefill.chunk"] = i
             attributes["tandem.prefill.num_tokens"] = chunk.num_tokens
-            self._span("prefill", inside, chunk.start, chunk.end or end, attributes)
+            self._span("prefill_chunk", inside, chunk.start, chunk.end or end, attributes)
         start = traced.decode_start
         if start is not None:
             last = traced.chunks[-1] if traced.chunks else None
@@ -184,7 +184,7 @@ class RequestSpans(NoRequestSpans):
                 self._span("kv_handoff", inside, last.end or start, start, moved)
             decoded: dict[str, Any] = {"tandem.pool": str(traced.decode_role)}
             decoded["gen_ai.usage.output_tokens"] = request.num_output_tokens
-            self._span("decode", inside, start, end, decoded)
+            self._span("decode_steps", inside, start, end, decoded)
         root.end(end_time=self._ns(end))
 
     def _span(

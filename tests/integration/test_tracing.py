@@ -192,8 +192,8 @@ def test_one_trace_holds_the_request_from_http_to_decode(
     try:
         traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
         usage = chat_stream(stack.url, PROMPT, traceparent)
-        names = {"POST /v1/chat/completions", "response", "llm_request", "queue", "prefill"}
-        names |= {"kv_handoff", "decode"}
+        names = {"POST /v1/chat/completions", "response", "llm_request", "queue", "prefill_chunk"}
+        names |= {"kv_handoff", "decode_steps"}
         spans = receiver.trace(TRACE_ID, names)
     finally:
         receiver.close()
@@ -207,7 +207,7 @@ def test_one_trace_holds_the_request_from_http_to_decode(
     assert http.attributes["http.response.status_code"] == 200
     assert by_name["response"][0].parent_id == http.span_id
     assert root.parent_id == http.span_id and root.service == "tandem-engine-core"
-    for name in ("queue", "prefill", "kv_handoff", "decode"):
+    for name in ("queue", "prefill_chunk", "kv_handoff", "decode_steps"):
         assert all(s.parent_id == root.span_id for s in by_name[name]), name
     a = root.attributes
     assert a["gen_ai.request.model"] == MODEL
@@ -215,11 +215,11 @@ def test_one_trace_holds_the_request_from_http_to_decode(
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert 0 < a["gen_ai.server.time_to_first_token"] < a["gen_ai.latency.e2e"]
-    chunks = sorted(by_name["prefill"], key=lambda s: s.start)
+    chunks = sorted(by_name["prefill_chunk"], key=lambda s: s.start)
     assert len(chunks) >= 2 and {c.attributes["tandem.pool"] for c in chunks} == {"prefill"}
     computed = sum(c.attributes["tandem.prefill.num_tokens"] for c in chunks)
     assert computed + a["tandem.num_cached_tokens"] == usage["prompt_tokens"]
-    (handoff,), (decode,) = by_name["kv_handoff"], by_name["decode"]
+    (handoff,), (decode,) = by_name["kv_handoff"], by_name["decode_steps"]
     assert decode.attributes["tandem.pool"] == "decode"
     # In the order the request lived them, all within the HTTP request.
     (queue,) = by_name["queue"]

@@ -75,14 +75,14 @@ def gguf_served_url(model_name: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(
-    model_name: str, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Any, PreTrainedModel]:
-    gguf = find_embedded_gguf(EMBEDDED_MODELS[model_name], tmp_path_factory.mktemp("gguf"))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+def reference(model_name: str) -> tuple[Any, PreTrainedModel]:
+    """transformers on the GGUF's weights as transformers itself dequantized them: the
+    model directory, which common/gguf_convert.py saved from transformers' own load of the
+    GGUF, without dequantizing the GGUF in numpy again here. (Our GGUF block loader is held
+    to the same weights by test_gguf_models.py.)"""
+    directory = str(resolve_model_dir(model_name))
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return tok, model.eval()
 
 

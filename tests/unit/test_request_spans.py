@@ -110,7 +110,7 @@ def test_split_pools_give_queue_chunks_hand_off_and_decode(async_scheduling: boo
     core, exporter, clock = make(split=True, async_scheduling=async_scheduling)
     serve(core, clock, request("a"))
     named = by_name(exporter.get_finished_spans())
-    assert sorted(named) == ["decode", "kv_handoff", "llm_request", "prefill", "queue"]
+    assert sorted(named) == ["decode_steps", "kv_handoff", "llm_request", "prefill_chunk", "queue"]
     (root,) = named["llm_request"]
     assert root.kind == SpanKind.SERVER
     assert root.context is not None and root.context.trace_id == TRACE_ID
@@ -130,11 +130,11 @@ def test_split_pools_give_queue_chunks_hand_off_and_decode(async_scheduling: boo
     ttft = attributes["gen_ai.server.time_to_first_token"]
     assert isinstance(ttft, float) and 0.5 < ttft < 0.5 + 20 * STEP_S
     assert root.start_time == int((WALL - 0.5) * 1e9)  # the API server's arrival
-    chunks = named["prefill"]
+    chunks = named["prefill_chunk"]
     assert all(end(c) > start(c) for c in chunks)  # each took its step's time
     assert [(c.attributes or {})["tandem.prefill.num_tokens"] for c in chunks] == [4, 4, 2]
     assert {(c.attributes or {})["tandem.pool"] for c in chunks} == {"prefill"}
-    (queue,), (handoff,), (decode,) = named["queue"], named["kv_handoff"], named["decode"]
+    (queue,), (handoff,), (decode,) = named["queue"], named["kv_handoff"], named["decode_steps"]
     # One after another, in the order the request lived them.
     assert end(queue) <= start(chunks[0])
     for before, after in itertools.pairwise(chunks):
@@ -150,9 +150,9 @@ def test_one_pool_has_no_hand_off() -> None:
     core, exporter, clock = make(split=False)
     serve(core, clock, request("a"))
     named = by_name(exporter.get_finished_spans())
-    assert sorted(named) == ["decode", "llm_request", "prefill", "queue"]
-    assert len(named["prefill"]) == 3
-    assert end(named["prefill"][-1]) <= start(named["decode"][0])
+    assert sorted(named) == ["decode_steps", "llm_request", "prefill_chunk", "queue"]
+    assert len(named["prefill_chunk"]) == 3
+    assert end(named["prefill_chunk"][-1]) <= start(named["decode_steps"][0])
 
 
 def test_an_untraced_request_makes_no_span_beside_a_traced_one() -> None:
@@ -169,7 +169,7 @@ def test_an_aborted_request_ends_its_trace_with_what_it_lived() -> None:
     core.step()
     core.spans.finished(core.abort(["a"]))
     named = by_name(exporter.get_finished_spans())
-    assert sorted(named) == ["llm_request", "prefill", "queue"]
+    assert sorted(named) == ["llm_request", "prefill_chunk", "queue"]
     assert (named["llm_request"][0].attributes or {})["gen_ai.response.finish_reasons"] == (
         "abort",
     )
