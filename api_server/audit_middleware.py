@@ -86,9 +86,13 @@ class AuditRecord:
         )
 
     def hand_on(self) -> None:
-        """A model router passed the request to a model's service, whose audit log
-        writes its line; the router writes none."""
+        """A model router is passing the request to a model's service, whose audit log
+        writes its line once it has the request; the router writes none."""
         self.handed_on = True
+
+    def take_back(self) -> None:
+        """The service never had the request (no connection): the router's line."""
+        self.handed_on = False
 
     def response_started(self, message: Message) -> None:
         self.status = int(message["status"])

@@ -163,12 +163,18 @@ class ModelRouter:
         url = f"{service.url}{request.url.path}"
         if request.url.query:
             url += f"?{request.url.query}"
+        # Handed on before the send: a client that leaves while the service works makes
+        # the service write its line ("disconnected"), so the router must not write one too.
+        audit = audit_of(request)
+        audit.hand_on()
         try:
             upstream = await self.client.send(
                 self.client.build_request(request.method, url, headers=headers, content=body),
                 stream=True,
             )
         except httpx.HTTPError as e:
+            if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                audit.take_back()  # the service never had it: this 503 is the router's line
             await end()
             message = f"model '{service.name}' did not answer: {type(e).__name__}"
             return error_response(
@@ -177,7 +183,6 @@ class ModelRouter:
         except BaseException:
             await end()
             raise
-        audit_of(request).hand_on()  # the service answered: its audit log has the line
         return _Passed(upstream, end)
 
     async def fan_out(self, request: Request) -> Response:

@@ -86,6 +86,8 @@ class TraceRequests:
         span = self.tracer.start_span(
             name, context=parent_context(carrier), kind=SpanKind.SERVER, attributes=attributes
         )
+        # The audit log's trace id (audit_middleware.py): this trace's, started here or not.
+        scope.setdefault("state", {})["trace_id"] = format(span.get_span_context().trace_id, "032x")
         exchange = _Exchange(self.tracer, span, send)
         token = context.attach(trace.set_span_in_context(span))
         try:

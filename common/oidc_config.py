@@ -11,6 +11,7 @@ command lines like every other flag.
 from __future__ import annotations
 
 import argparse
+from urllib.parse import urlsplit
 
 from common.config_checks import require
 
@@ -35,6 +36,14 @@ def check_oidc_flags(
         require(
             not url or url.startswith(("https://", "http://")),
             f"{flag} takes an http(s) URL, got {url!r}",
+        )
+        # Keys fetched over plain HTTP could be anyone's on the way: whoever answers
+        # the fetch could sign in as any tenant. Loopback (a local issuer, tests) only.
+        host = urlsplit(url).hostname if url else None
+        require(
+            not url or url.startswith("https://") or host in ("127.0.0.1", "localhost", "::1"),
+            f"{flag} {url} is plain HTTP: the signing keys must come over https:// "
+            "(http:// only on 127.0.0.1)",
         )
     require(bool(tenant_claim), "--oidc-tenant-claim must name a claim")
 

@@ -263,7 +263,10 @@ class EngineCoreProc:
             self._emit(refusal_outputs)
 
     def _emit(self, outputs: ClientOutputs) -> None:
-        self.core.spans.finished(outputs)  # every request's last output passes here
+        try:  # every request's last output passes here; spans must never stop the engine
+            self.core.spans.finished(outputs)
+        except Exception:
+            logger.exception("tracing: no spans for these requests")
         stats = self._publish()
         for client_id, request_outputs in outputs.items():
             self._outputs.put((client_id, EngineOutputs(request_outputs, stats)))

@@ -222,6 +222,9 @@ async def completions(request: Request) -> Response:
         return StreamingResponse(forever(), media_type="text/event-stream")
     if mode == "handed-on":
         audit.hand_on()
+    if mode == "taken-back":  # a router whose service could not be reached
+        audit.hand_on()
+        audit.take_back()
     return JSONResponse({"ok": True}, headers={"X-Request-Id": "cmpl-abc"})
 
 
@@ -328,6 +331,14 @@ def test_other_routes_and_requests_handed_on_have_no_line() -> None:
         call(app, "/v1/completions", "mode=handed-on")
 
     assert lines_of(run) == []
+
+
+def test_a_request_taken_back_from_a_service_has_the_routers_line() -> None:
+    def run(app: Starlette) -> None:
+        call(app, "/v1/completions", "mode=taken-back")
+
+    [line] = lines_of(run)
+    assert (line["status"], line["outcome"], line["request_id"]) == (200, "completed", "cmpl-abc")
 
 
 def test_a_path_that_cannot_be_appended_to_is_one_line_before_anything_starts(

@@ -19,6 +19,7 @@ from api_server import oidc
 from api_server.errors import ANTHROPIC_ERRORS
 from api_server.guard import Guard
 from api_server.oidc import TokenRejected, TokenVerifier, tenant_cache_salt, tenant_id
+from common.cli_args import parse_config
 from tests.oidc_issuer import AUDIENCE, Issuer, SigningKey
 
 T = TypeVar("T")
@@ -309,3 +310,32 @@ def test_the_guard_answers_503_while_the_issuer_is_down() -> None:
     r = ask(guard, "/v1/completions", issuer.token())
     assert r.status_code == 503 and r.json()["error"]["code"] == "sign_in_unavailable"
     assert "retry-after" in r.headers
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (("--oidc-issuer", "https://id.example.com", "--oidc-audience", "a"), None),
+        (("--oidc-issuer", "http://127.0.0.1:9000", "--oidc-audience", "a"), None),
+        (("--oidc-issuer", "http://id.example.com", "--oidc-audience", "a"), "plain HTTP"),
+        (
+            (
+                *("--oidc-issuer", "https://id.example.com", "--oidc-audience", "a"),
+                *("--oidc-jwks-url", "http://keys.example.com/jwks"),
+            ),
+            "plain HTTP",
+        ),
+        (("--oidc-issuer", "https://id.example.com"), "go together"),
+        (("--oidc-jwks-url", "https://keys.example.com/jwks"), "give --oidc-issuer"),
+    ],
+)
+def test_what_the_flags_refuse(
+    flags: tuple[str, ...], refused: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys over plain HTTP off loopback could be anyone's: refused where the config is built."""
+    if refused is None:
+        assert parse_config(list(flags)).server.oidc_issuer == flags[1]
+        return
+    with pytest.raises(SystemExit):
+        parse_config(list(flags))
+    assert refused in capsys.readouterr().err

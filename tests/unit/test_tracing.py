@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from api_server.request_tracing import TraceRequests, trace_requests
@@ -213,3 +213,19 @@ def test_errors_gets_and_unknown_paths() -> None:
 def test_tracing_off_serves_the_app_itself() -> None:
     inner = app()
     assert trace_requests(inner, NoTracing(), frozenset()) is inner
+
+
+def test_the_request_span_names_its_trace_for_the_audit_log() -> None:
+    """A trace this server starts (no traceparent) or continues: the audit line's id."""
+    tracer, exporter = memory_tracer()
+
+    async def trace_id(request: Request) -> Response:
+        return PlainTextResponse(str(request.scope["state"]["trace_id"]))
+
+    routes = [Route("/v1/completions", trace_id, methods=["POST"])]
+    traced = TraceRequests(Starlette(routes=routes), tracer, frozenset({"/v1/completions"}))
+    started = post(traced, "/v1/completions").text
+    continued = post(traced, "/v1/completions", headers={"traceparent": TRACEPARENT}).text
+    ids = [f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans() if s.context]
+    assert started in ids and started != f"{TRACE_ID:032x}"
+    assert continued == f"{TRACE_ID:032x}"
