@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_server.audit_log import AuditEntry, AuditLog
 from api_server.protocol import CompletionRequest
+from common.tracing import trace_id_of
 
 if TYPE_CHECKING:
     from api_server.driver import Generation
@@ -40,22 +40,6 @@ GENERATION_ROUTES = frozenset(
 )
 AUDIT_STATE = "audit"  # the record's key in scope["state"]
 CLIENT_GONE = 499  # what cancel_on_disconnect answers a client that left
-# A W3C traceparent: version-traceid-parentid-flags (a later version may add fields).
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
-
-
-def trace_id_from(traceparent: str | None) -> str | None:
-    """The trace id of a W3C ``traceparent`` header; None without one or for one the
-    W3C rules make invalid (version ff, an all-zero id, extra fields on version 00)."""
-    if traceparent is None:
-        return None
-    m = _TRACEPARENT.fullmatch(traceparent.strip())
-    if m is None:
-        return None
-    version, trace_id, parent_id, _, rest = m.groups()
-    if version == "ff" or (version == "00" and rest) or not int(trace_id, 16):
-        return None
-    return None if not int(parent_id, 16) else trace_id
 
 
 @dataclass
@@ -113,7 +97,7 @@ class AuditRecord:
             latency_s=time.monotonic() - self.started,
             request_id=self.response_request_id
             or (self.generation.request_id if self.generation else self.client_request_id),
-            trace_id=state.get("trace_id") or trace_id_from(self.traceparent),
+            trace_id=state.get("trace_id") or trace_id_of(self.traceparent),
             tenant=state.get("caller"),
             key_id=state.get("key_id"),
             model=self.model,

@@ -176,6 +176,16 @@ def trace_headers() -> dict[str, str] | None:
     return carrier
 
 
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id (32 hex digits) a W3C ``traceparent`` header names; None without one
+    or for one the W3C rules make invalid (the propagator's checks)."""
+    if traceparent is None:
+        return None
+    context = trace.get_current_span(parent_context({"traceparent": traceparent}))
+    ids = context.get_span_context()
+    return format(ids.trace_id, "032x") if ids.is_valid else None
+
+
 def parent_context(headers: Mapping[str, str] | None) -> Context:
     """The context W3C ``headers`` name (an empty one when they name none): spans
     started in it are children of the span that sent them."""

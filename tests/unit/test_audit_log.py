@@ -25,11 +25,12 @@ from starlette.routing import Route
 from starlette.types import Message
 
 from api_server.audit_log import AuditEntry, AuditFileHandler, AuditLog
-from api_server.audit_middleware import AuditMiddleware, audit_of, trace_id_from
+from api_server.audit_middleware import AuditMiddleware, audit_of
 from api_server.driver import Choice, Generation, Prompt
 from api_server.generation import Piece
 from api_server.protocol import CompletionRequest
 from common.audit_config import check_audit_sink
+from common.tracing import trace_id_of
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -123,7 +124,7 @@ def test_raw_line_has_the_text_and_token_id_prompts_as_json() -> None:
     ],
 )
 def test_trace_id_from_traceparent(header: str | None, expected: str | None) -> None:
-    assert trace_id_from(header) == expected
+    assert trace_id_of(header) == expected
 
 
 def test_a_slow_sink_drops_and_counts_lines_and_never_blocks() -> None:
