@@ -1,7 +1,8 @@
 """Split pools give the unified pool's greedy outputs, token for token (float32; ties as
 ARCHITECTURE.md defines them): 16 concurrent requests with prompts of 5 to 750 tokens
 (some longer than the step budget of 512, some sharing a prefix, the longest past
-Gemma's 512-token sliding window), through prefill and decode pools handing KV over
+Gemma's 512-token sliding window; SmolLM2's at half those lengths and half the budget,
+chunked as often at half the float32 prefill work), through prefill and decode pools handing KV over
 shared memory and over TCP, with conditional disaggregation on and off. SmolLM2 runs in
 every suite; Gemma-3-270M (sliding-window layers) and the other combinations under
 ``slow``. Every stack here runs on the CPU, on any host: shm hand-offs and tensor
@@ -31,7 +32,16 @@ MAX_TOKENS = 12
 LENGTHS = [750, 650, 5, 525, 12, 425, 40, 275, 150, 175, 100]
 SHARED_TAILS = [5, 10, 50, 150, 475]  # after one 150-token prefix
 STEP_BUDGET = 512
-BASE = ("--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", str(STEP_BUDGET))
+# Gemma's prompts must pass its 512-token window; SmolLM2 has none, so its prompts and
+# step budget are halved (the same chunking, half the prefill work in each of its stacks).
+SCALE = {"gemma-3-270m": 1, "smollm2-135m-instruct": 2}
+
+
+def base_flags(model: str) -> tuple[str, ...]:
+    budget = STEP_BUDGET // SCALE[model]
+    return ("--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", str(budget))
+
+
 WORDS = [
     "river",
     "stone",
@@ -73,11 +83,15 @@ def prompts(model: str) -> list[list[int]]:
     rng = random.Random(11)
     text = " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(9000))
     ids: list[int] = tok.encode(text, add_special_tokens=False)
-    out = [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
-    shared = ids[4000:4150]
-    out += [shared + ids[5000 + 50 * i : 5000 + 50 * i + n] for i, n in enumerate(SHARED_TAILS)]
-    assert len(out) == 16 and max(map(len, out)) == 750
-    assert sum(len(p) > STEP_BUDGET for p in out) >= 3  # chunked over several steps
+    scale = SCALE[model]
+    out = [ids[i * 7 : i * 7 + max(n // scale, 5)] for i, n in enumerate(LENGTHS)]
+    shared = ids[4000 : 4000 + 150 // scale]
+    out += [
+        shared + ids[5000 + 50 * i : 5000 + 50 * i + max(n // scale, 5)]
+        for i, n in enumerate(SHARED_TAILS)
+    ]
+    assert len(out) == 16 and max(map(len, out)) == 750 // scale
+    assert sum(len(p) > STEP_BUDGET // scale for p in out) >= 3  # chunked over several steps
     return out
 
 
@@ -106,7 +120,7 @@ class Reference:
     def __init__(self, model: str) -> None:
         self.model = model
         self.prompts = prompts(model)
-        with TandemStack("--model", model, *BASE, env=CPU_WORKERS) as stack:
+        with TandemStack("--model", model, *base_flags(model), env=CPU_WORKERS) as stack:
             self.outputs = run_all(stack, model, self.prompts)
         assert sum(map(len, self.outputs)) > 8 * len(self.outputs)
         self.logprobs: LogprobsFn = our_logprobs_fn(resolve_model_dir(model))
@@ -135,7 +149,7 @@ def split(
         *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
         "--model",
         reference.model,
-        *BASE,
+        *base_flags(reference.model),
         "--prefill-workers",
         "1",
         "--decode-workers",
