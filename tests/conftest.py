@@ -30,7 +30,8 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def server(smollm2_dir: Path) -> Iterator[TandemStack]:
     """One float32 stack shared by the tests that only send requests."""
-    with TandemStack("--dtype", "float32", "--max-num-seqs", "32") as stack:
+    # 32 sequences of tool-call schemas and answers at once: room for all of them.
+    with TandemStack("--dtype", "float32", "--max-num-seqs", "32", "--kv-cache-gb", "1") as stack:
         yield stack
 
 

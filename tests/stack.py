@@ -23,6 +23,11 @@ import psutil
 from common.process import dies_with_this_process
 
 READY_TIMEOUT_S = 300.0
+# A worker writes every page of its KV cache before it is ready (worker/kv_memory.py), and
+# on these hosts fresh huge pages cost ~2 s per GiB; no test here needs the default 1 GiB
+# (float32 SmolLM2: 11,648 tokens in half of it), so a stack that names no size takes half.
+TEST_KV_CACHE_GB = "0.5"
+KV_SIZE_FLAGS = ("--kv-cache-gb", "--num-kv-blocks")
 LOG_TAIL_LINES = 40
 STUCK_LOG_LINES = 300  # room for every process's thread stacks
 # Workers take a GPU whenever they see one; a stack testing a CPU-only feature (the GGUF
@@ -81,6 +86,8 @@ class TandemStack:
         self.command = command  # or "fleet": then the port is the router's
         self.port = free_port()
         self.args = ["--port", str(self.port), *args]
+        if command == "serve" and not any(a.split("=")[0] in KV_SIZE_FLAGS for a in args):
+            self.args += ["--kv-cache-gb", TEST_KV_CACHE_GB]
         # The launcher dies with this process (the test run) if it is killed: no server
         # outlives a killed pytest.
         self.env = dies_with_this_process({**os.environ, **(env or {})})
