@@ -39,7 +39,7 @@ from common.messages import (
 )
 from engine_core.handoff import HandoffSide, HandoffStats, abort_output, error_output, merge
 from engine_core.kv_cache import extend_block_hashes
-from engine_core.request import Request, RequestStatus
+from engine_core.request import KVPullRecord, Request, RequestStatus
 from engine_core.scheduler import ClientOutputs, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,7 @@ class KVPulls:
             return {}
         if message.param is not None:  # the lease is not this request's to read
             self._end(pull, cancel=True)
+            self._record(pull, "refused")
             self.stats.ended("refused")
             return _invalid(pull.request, f"kv_transfer_params: {message.error}", message.param)
         return self._failed(pull, "failed", message.error or "refused", release=False)
@@ -242,6 +243,7 @@ class KVPulls:
         self.kv.rename(pull.owner, request.request_id)  # the blocks are the request's now
         self.kv.record_lookup(request.num_prompt_tokens, num_tokens)
         request.num_computed_tokens = request.num_cached_tokens = num_tokens
+        self._record(pull, "done")
         self.stats.ended("done", self._clock() - pull.started, pull.num_bytes)
         self.scheduler.accept(request)
         return {}
@@ -270,11 +272,24 @@ class KVPulls:
             self.kv.free(pull.owner)
             self.side.orders.cancels.append(pull.transfer_id)
 
+    def _record(self, pull: Pull, outcome: str) -> None:
+        """Note on the request how its pull ended (its trace's ``kv_handoff`` span)."""
+        params = pull.request.kv_transfer
+        pull.request.kv_pull = KVPullRecord(
+            pull.started,
+            self._clock(),
+            outcome,
+            pull.num_full - pull.first_block,
+            pull.num_bytes,
+            (params.remote_engine_id if params else None) or "",
+        )
+
     def _failed(self, pull: Pull, outcome: str, why: str, release: bool) -> ClientOutputs:
         self._end(pull, cancel=True)
         request = pull.request
         if release:
             self._release(request)
+        self._record(pull, outcome)
         self.stats.ended(outcome, self._clock() - pull.started)
         logger.warning("[%s] KV pull %s: %s", request.request_id, outcome, why)
         if self.policy == "recompute":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from common.messages import (
     EngineRequest,
@@ -21,6 +22,18 @@ def lora_cache_key(lora: LoRARequest | None) -> bytes:
     if lora is None:
         return b""
     return b"\x00lora\x00" + lora.name.encode() + b"\x00" + lora.path.encode()
+
+
+@dataclass(frozen=True)
+class KVPullRecord:
+    """How a fleet decode instance's pull of this request's KV ended (for its trace)."""
+
+    started: float  # engine clock: blocks allocated, the pull sent
+    ended: float
+    outcome: str  # done, refused, failed, expired (kv_transfers_total's outcomes)
+    num_blocks: int
+    num_bytes: int
+    source_engine_id: str  # the prefill instance's
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,6 +88,7 @@ class Request:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.handoff_started: float | None = None  # split pools: when the prompt was done
+        self.kv_pull: KVPullRecord | None = None  # a fleet's decode: its KV pull, once ended
         # A fleet's prefill/decode split: asks a remote decode, or brings remote KV.
         self.kv_transfer = kv_transfer
         # Asked for prompt logprobs: they gather here chunk by chunk, for its first output.

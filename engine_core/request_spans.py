@@ -9,7 +9,9 @@ and makes its spans when its last output leaves the engine:
       queue        received by the engine -> first scheduled
       prefill      one per chunk: the step that computed it, sent -> answered
       kv_handoff   split pools: the prefill pool's last chunk done -> the decode
-                   pool's first step sent (the KV moved, or its block ids did)
+                   pool's first step sent (the KV moved, or its block ids did);
+                   a fleet's decode instance: its pull of the prompt's KV from the
+                   prefill instance, sent -> landed (or how else it ended)
       decode       the first decode step sent -> finished
 
 Every span is made at the end with explicit times, so the step loop only appends a
@@ -30,7 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.messages import FinishReason, PoolRole, RequestOutput, SchedulerOutput
 from common.tracing import Tracing, parent_context
-from engine_core.request import Request
+from engine_core.request import KVPullRecord, Request
 from engine_core.scheduler import ClientOutputs
 
 
@@ -166,6 +168,9 @@ class RequestSpans(NoRequestSpans):
             root.set_status(Status(StatusCode.ERROR, out.error or "the engine failed it"))
         inside = trace.set_span_in_context(root)
         self._span("queue", inside, received, scheduled)
+        pulled = request.kv_pull
+        if pulled is not None:
+            self._pull_span(inside, pulled)
         for i, chunk in enumerate(traced.chunks):
             attributes: dict[str, Any] = {"tandem.pool": str(chunk.role)}
             attributes["tandem.prefill.chunk"] = i
@@ -186,6 +191,23 @@ class RequestSpans(NoRequestSpans):
             decoded["gen_ai.usage.output_tokens"] = request.num_output_tokens
             self._span("decode_steps", inside, start, end, decoded)
         root.end(end_time=self._ns(end))
+
+    def _pull_span(self, context: Context, pulled: KVPullRecord) -> None:
+        attributes: dict[str, Any] = {
+            "tandem.kv.outcome": pulled.outcome,
+            "tandem.kv.num_blocks": pulled.num_blocks,
+            "tandem.kv.num_bytes": pulled.num_bytes,
+            "tandem.kv.source_engine_id": pulled.source_engine_id,
+        }
+        span = self._tracer.start_span(
+            "kv_handoff",
+            context=context,
+            start_time=self._ns(pulled.started),
+            attributes=attributes,
+        )
+        if pulled.outcome != "done":
+            span.set_status(Status(StatusCode.ERROR, f"the KV pull {pulled.outcome}"))
+        span.end(end_time=self._ns(max(pulled.started, pulled.ended)))
 
     def _span(
         self,

@@ -8,6 +8,10 @@ from __future__ import annotations
 import json
 
 import msgspec
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode, Tracer
 
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
 from common.messages import (
@@ -27,6 +31,7 @@ from common.pool_config import DisaggConfig
 from engine_core.core import EngineCore
 from engine_core.kv_cache import KVCacheManager
 from engine_core.remote_kv import RemoteKV
+from engine_core.request_spans import RequestSpans
 from engine_core.scheduler import ClientOutputs
 from tests.unit.clock import ManualClock
 from tests.unit.fake_pools import BLOCK, FakePool, token_for
@@ -34,10 +39,17 @@ from tests.unit.test_engine_core import Outputs, finished, tokens
 
 PROMPT = list(range(1, 11))  # 10 tokens: 2 full blocks of 4, the last token in a third
 PEER = b"decode-instance"
+TRACE_HEADERS = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 
 
 class Instance:
-    def __init__(self, role: str, policy: str = "recompute", land_polls: int = 1) -> None:
+    def __init__(
+        self,
+        role: str,
+        policy: str = "recompute",
+        land_polls: int = 1,
+        tracer: Tracer | None = None,
+    ) -> None:
         transfer = {
             "kv_role": role,
             "engine_id": role,
@@ -52,7 +64,9 @@ class Instance:
         )
         self.pool = FakePool(PoolRole.UNIFIED, 16, land_polls=land_polls, max_in_flight=2)
         self.clock = ManualClock(1000.0)
-        self.core = EngineCore(config, {PoolRole.UNIFIED: self.pool}, self.clock)
+        # Traced: the spans' wall clock is the engine's (their times compare as they are).
+        spans = RequestSpans(tracer, "tiny", self.clock, self.clock) if tracer else None
+        self.core = EngineCore(config, {PoolRole.UNIFIED: self.pool}, self.clock, spans=spans)
         self.core.start()
         self.outputs: Outputs = {}
 
@@ -70,7 +84,14 @@ class Instance:
     ) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
         message = EngineRequest(
-            request_id, b"client", list(prompt), sampling, 0.0, owner=owner, kv_transfer=params
+            request_id,
+            b"client",
+            list(prompt),
+            sampling,
+            0.0,
+            owner=owner,
+            kv_transfer=params,
+            trace_headers=TRACE_HEADERS,  # spans are made only where the instance traces
         )
         self._take(self.core.add_request(message))
 
@@ -78,6 +99,7 @@ class Instance:
         self._take(self.core.step().outputs)
 
     def _take(self, out: ClientOutputs) -> None:
+        self.core.spans.finished(out)  # as the engine process does when it sends them
         for o in out.get(b"client", []):
             self.outputs.setdefault(o.request_id, []).append(o)
 
@@ -326,3 +348,47 @@ def test_a_send_that_fails_after_the_copy_is_still_reported_to_the_puller() -> N
     assert consumer.outcomes() == {"failed": 1}
     assert tokens(consumer.outputs, "r") == [token_for("r", n) for n in (10, 11, 12)]
     consumer.assert_all_free()
+
+
+def traced_consumer() -> tuple[Instance, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Instance("kv_consumer", tracer=provider.get_tracer("test")), exporter
+
+
+def test_a_traced_pull_is_its_requests_kv_handoff_span() -> None:
+    producer = Instance("kv_producer")
+    consumer, exporter = traced_consumer()
+    consumer.add("r", prefill(producer))
+    sent = consumer.clock.now
+    carry(producer, consumer)
+    consumer.clock.now += 0.25  # the blocks take a while to land
+    producer.step()
+    consumer.run("r")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    handoff, root = spans["kv_handoff"], spans["llm_request"]
+    assert handoff.parent is not None and handoff.parent.span_id == root.context.span_id
+    assert handoff.attributes == {
+        "tandem.kv.outcome": "done",
+        "tandem.kv.num_blocks": 2,
+        "tandem.kv.num_bytes": 4096,  # as the fake pool's landing reported
+        "tandem.kv.source_engine_id": "kv_producer",
+    }
+    assert handoff.start_time == int(sent * 1e9)
+    assert handoff.end_time is not None and handoff.end_time >= int((sent + 0.25) * 1e9)
+    assert handoff.status.status_code == StatusCode.UNSET
+
+
+def test_a_pull_that_expired_is_an_error_span_and_the_prompt_is_computed_here() -> None:
+    producer = Instance("kv_producer")
+    consumer, exporter = traced_consumer()
+    consumer.add("r", prefill(producer))
+    consumer.core.take_peer_outbox()  # the prefill instance is gone: nothing arrives
+    consumer.clock.now += 0.6
+    consumer.run("r")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    handoff = spans["kv_handoff"]
+    assert (handoff.attributes or {})["tandem.kv.outcome"] == "expired"
+    assert handoff.status.status_code == StatusCode.ERROR
+    assert "prefill_chunk" in spans  # recomputed here
