@@ -185,6 +185,10 @@ def serve(config: TandemConfig) -> int:
     check_port_free(config.server.host, config.server.port)
     check_tls_files(*config.server.tls_flags)  # read by the process facing clients
     check_audit_sink(config.server.audit_log)
+    if config.server.otlp_traces_endpoint:
+        from common.tracing import otlp_protocol  # OpenTelemetry loads only when asked
+
+        otlp_protocol()  # an unknown wire, or gRPC not installed: said before anything starts
     runtime_dir = make_runtime_dir()
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)

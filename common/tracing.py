@@ -5,7 +5,10 @@ trace context that rides across the ZeroMQ hops.
 (no provider, no exporter thread, a tracer that makes no spans) or ``OtlpTracing``: a
 ``TracerProvider`` of this process's own (not installed as OpenTelemetry's global one;
 the tracer is handed to whoever makes spans) whose ``BatchSpanProcessor`` exports over
-OTLP/HTTP on its own thread, so a span costs the serving thread only its creation. A
+OTLP on its own thread, so a span costs the serving thread only its creation. The wire
+is OTLP/HTTP (protobuf) unless OpenTelemetry's own ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+(or ``OTEL_EXPORTER_OTLP_PROTOCOL``) says ``grpc``, which takes the gRPC exporter package
+where it is installed (``pip install opentelemetry-exporter-otlp-proto-grpc``). A
 collector that does not answer costs dropped spans and one warning per outage
 (``WarnOnceExporter``); the exporter's own line per failed export is turned into DEBUG.
 
@@ -18,9 +21,11 @@ in the engine core so that the spans made there join the client's trace.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
+from urllib.parse import urlparse
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -37,7 +42,11 @@ TRACER_NAME = "tandem"
 _EXPORTER_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.common.http",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
 )
+# OpenTelemetry's variables for the wire, the traces' own first (as its SDK reads them).
+PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+HTTP_PROTOBUF, GRPC = "http/protobuf", "grpc"
 # At exit, the final export may take this long; one to a collector that is down gives up.
 SHUTDOWN_TIMEOUT_S = 2.0
 
@@ -120,15 +129,53 @@ class _DemoteToDebug(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
+def otlp_protocol(environ: Mapping[str, str] = os.environ) -> str:
+    """``http/protobuf`` (the default) or ``grpc``, as OpenTelemetry's variables say; any
+    other value, or ``grpc`` without its exporter installed, is a ``ValueError`` naming
+    the fix (raised before anything starts: ``common/launcher.serve``)."""
+    for variable in PROTOCOL_VARIABLES:
+        protocol = environ.get(variable, "").strip().lower()
+        if not protocol:
+            continue
+        if protocol not in (HTTP_PROTOBUF, GRPC):
+            raise ValueError(
+                f"{variable}={protocol}: traces go over {HTTP_PROTOBUF!r} (the default) or {GRPC!r}"
+            )
+        if protocol == GRPC:
+            try:
+                import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    f"{variable}=grpc needs OpenTelemetry's gRPC exporter: "
+                    "pip install opentelemetry-exporter-otlp-proto-grpc"
+                ) from None
+        return protocol
+    return HTTP_PROTOBUF
+
+
+def otlp_exporter(endpoint: str, protocol: str) -> SpanExporter:
+    """The OTLP span exporter for ``protocol`` (``otlp_protocol``), sending to
+    ``endpoint`` (gRPC: ``http://host:4317`` in plain text, ``https://`` over TLS)."""
+    if protocol == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        return GrpcSpanExporter(endpoint=endpoint, insecure=urlparse(endpoint).scheme == "http")
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
 class OtlpTracing:
-    """Spans of this process, batched and exported over OTLP/HTTP (protobuf) to
+    """Spans of this process, batched and exported over OTLP (HTTP/protobuf or gRPC) to
     ``endpoint`` on the processor's own thread."""
 
     def __init__(
         self, endpoint: str, service_name: str, exporter: SpanExporter | None = None
     ) -> None:
         self.endpoint = endpoint
-        self._exporter = WarnOnceExporter(exporter or OTLPSpanExporter(endpoint=endpoint), endpoint)
+        self.protocol = otlp_protocol()
+        chosen = exporter or otlp_exporter(endpoint, self.protocol)
+        self._exporter = WarnOnceExporter(chosen, endpoint)
         self._processor = BatchSpanProcessor(self._exporter)
         # No atexit hook: shutdown() bounds the final export; the SDK's would wait 30 s
         # on a collector that is down.
@@ -158,11 +205,11 @@ class OtlpTracing:
 
 
 def start_tracing(endpoint: str | None, service_name: str) -> NoTracing | OtlpTracing:
-    """This process's tracing: OTLP/HTTP to ``endpoint``, or none."""
+    """This process's tracing: OTLP to ``endpoint``, or none."""
     if not endpoint:
         return NoTracing()
     tracing = OtlpTracing(endpoint, service_name)
-    logger.info("exporting traces to %s as %s", endpoint, service_name)
+    logger.info("exporting traces to %s as %s (%s)", endpoint, service_name, tracing.protocol)
     return tracing
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from common.tracing import (
     NoTracing,
     OtlpTracing,
     WarnOnceExporter,
+    otlp_exporter,
+    otlp_protocol,
     parent_context,
     start_tracing,
     trace_headers,
@@ -229,3 +232,25 @@ def test_the_request_span_names_its_trace_for_the_audit_log() -> None:
     ids = [f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans() if s.context]
     assert started in ids and started != f"{TRACE_ID:032x}"
     assert continued == f"{TRACE_ID:032x}"
+
+
+def test_the_wire_is_http_protobuf_unless_opentelemetrys_variables_say_grpc() -> None:
+    assert otlp_protocol({}) == "http/protobuf"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    both = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    assert otlp_protocol(both) == "http/protobuf"  # the traces' own variable first
+    grpc = otlp_exporter("http://127.0.0.1:4317", "grpc")
+    assert type(grpc).__module__ == "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+    grpc.shutdown()
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json: traces go"):
+        otlp_protocol({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+
+
+def test_grpc_without_its_exporter_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry in sys.modules makes the import fail, as where it is not installed.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ValueError, match="pip install opentelemetry-exporter-otlp-proto-grpc"):
+        otlp_protocol({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
