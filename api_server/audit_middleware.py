@@ -31,7 +31,7 @@ from api_server.protocol import CompletionRequest
 from common.tracing import trace_id_of
 
 if TYPE_CHECKING:
-    from api_server.driver import Generation
+    from api_server.generation_state import Generation
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from bench.floor import Machine, ModelCost
 from worker.attention import AttentionMetadata
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM, FusedDecode
-from worker.models.packed_linear import PackedLinear
+from worker.packed_linear import PackedLinear
 
 
 class FusedLabel:

@@ -28,8 +28,8 @@ from bench.floor import bandwidth_gb_s
 from bench.harness import median_ms_interleaved, print_table, write_results
 from common.model_files import read_hf_config, resolve_model_dir
 from worker.huge_pages import move_to_huge_pages
-from worker.models.packed_linear import PackedLinear
 from worker.native import NativeKernels, load_native_kernels
+from worker.packed_linear import PackedLinear
 
 
 def projection_shapes(model: str) -> list[tuple[int, int]]:

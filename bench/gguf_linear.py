@@ -29,11 +29,11 @@ from bench.floor import bandwidth_gb_s
 from bench.harness import median_ms_interleaved, print_table, write_results
 from common.model_files import gguf_source, resolve_model_dir
 from worker.models.loader import load_model
-from worker.models.packed_linear import PackedLinear
 from worker.models.quant_linear import QuantLinear
 from worker.models.quantizers import GgufBlocks
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
+from worker.packed_linear import PackedLinear
 
 
 def projections(model: nn.Module, kind: type[nn.Module]) -> list[nn.Module]:

@@ -81,8 +81,8 @@ from worker.device import resolve_dtype
 from worker.lora import LoRABatch
 from worker.model_runner import ModelRunner
 from worker.models.decoder import DecoderLM
-from worker.models.packed_linear import ONEDNN, PackedLinear
 from worker.models.quantizers import quantizer_for
+from worker.packed_linear import ONEDNN, PackedLinear
 
 CONTEXT = 128
 PARTS = (

@@ -8,24 +8,17 @@ slot ``block_ids[p // block_size] * block_size + p % block_size``: block
 built once (``worker/model_runner.py``) and passed explicitly to every layer: no global
 attention context.
 
-CPU path: all decode tokens (one query each) attend in one batched SDPA call over
-their blocks, gathered whole and padded; prefill chunks (a few per step) each take one SDPA
-call, causal, or, after tokens already in the cache, two flash-attention calls (the cached
-prefix unmasked, the chunk's own tokens causal) merged by their log-sum-exps; a sliding
-window keeps one call with the window's mask.
+This module is the layout and the metadata only; ``worker/paged_attention.py`` runs a
+layer's attention through the ops chosen for the device (``worker/ops.py``), whose
+PyTorch kernels are ``worker/torch_attention.py``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from worker.ops import Ops
 
 
 @dataclass(frozen=True)
@@ -176,100 +169,3 @@ def gather_blocks(
     length = block_ids.shape[-1] * block_size
     kv = kv.view(two, kv_heads, *block_ids.shape[:-1], length, head_dim).movedim(1, -3)
     return kv[0], kv[1]
-
-
-def decode_attention_torch(
-    q: torch.Tensor,  # [num_decodes, heads, head_dim]
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """Decode attention by PyTorch ops: gather each decode's blocks, then one SDPA."""
-    assert meta.decode_block_table is not None  # only called when the step has decodes
-    keys, values = gather_blocks(kv_cache, meta.decode_block_table)  # [n, KVH, L, D]
-    return _attend(q.unsqueeze(2), keys, values, meta.decode_mask(window), scale).squeeze(2)
-
-
-def paged_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_dim]
-    meta: AttentionMetadata,
-    ops: Ops,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns ``[num_tokens, heads, dim]``."""
-    ops.write_kv(kv_cache, meta.slot_mapping, k, v)
-    only_decodes = not meta.prefills  # then every token is a decode, in order
-    out = q if only_decodes else torch.empty_like(q)  # only_decodes returns decode_out instead
-    if meta.decode_token_indices is not None:
-        # [n, H, D]; when every token is a decode, they are all of q, in order.
-        decode_q = q if only_decodes else q.index_select(0, meta.decode_token_indices)
-        decode_out = ops.decode_attention(decode_q, kv_cache, meta, scale, window)
-        if only_decodes:
-            return decode_out
-        out.index_copy_(0, meta.decode_token_indices, decode_out)
-    if meta.fresh_prefills:  # their keys are this step's own: every such chunk at once
-        ops.fresh_prefill_attention(out, q, k, v, meta.fresh_prefills, scale, window)
-    for chunk in meta.prefills:
-        if chunk.context_start == 0:
-            continue
-        keys, values = gather_blocks(kv_cache, chunk.block_ids)  # [KVH, L, D]
-        keys, values = keys[:, : chunk.context_end], values[:, : chunk.context_end]
-        out[chunk.token_start : chunk.token_end] = ops.prefill_attention(
-            q[chunk.token_start : chunk.token_end], keys, values, chunk, scale, window
-        )
-    return out
-
-
-def prefill_attention_torch(
-    q: torch.Tensor,  # [q, heads, dim]: one chunk's queries
-    keys: torch.Tensor,  # [kv_heads, context_end, dim]
-    values: torch.Tensor,
-    chunk: PrefillChunk,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """One prefill chunk's attention through PyTorch's SDPA: ``[q, heads, dim]``."""
-    chunk_q = q.transpose(0, 1)[None]  # a leading batch dim of 1: 3-D inputs take a
-    keys, values = keys[None], values[None]  # much slower SDPA kernel on CPU
-    if q.device.type == "cpu" and chunk.sees_whole_prefix(window):
-        chunk_out = _attend_after_prefix(chunk_q, keys, values, chunk.context_start, scale)
-    else:
-        chunk_out = _attend(chunk_q, keys, values, chunk.mask(window), scale)
-    return chunk_out[0].transpose(0, 1)
-
-
-def _attend_after_prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
-) -> torch.Tensor:
-    """A chunk after ``prefix`` tokens already cached (``[1, H, q, D]`` x ``[1, KVH,
-    prefix + q, D]``, no window), on CPU: the prefix, which every query sees whole (no
-    mask), and the chunk's own tokens (causal) as two flash-attention calls, merged by
-    their log-sum-exps. One call with the offset causal mask computes every query against
-    every key, masked or not: a 1,452-token chunk after 2,048 cached tokens took 71 ms a
-    layer that way, 56 this way (SmolLM2's heads, bfloat16, docs/benchmarks.md)."""
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1:  # the flash op itself takes no grouped heads
-        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    seen, seen_lse = flash(q, k[..., :prefix, :], v[..., :prefix, :], 0.0, False, scale=scale)
-    own, own_lse = flash(q, k[..., prefix:, :], v[..., prefix:, :], 0.0, True, scale=scale)
-    top = torch.maximum(seen_lse, own_lse)
-    seen_w = (seen_lse - top).exp().unsqueeze(-1)  # float32, [1, H, q, 1]
-    own_w = (own_lse - top).exp().unsqueeze(-1)
-    merged = (seen.float() * seen_w + own.float() * own_w) / (seen_w + own_w)
-    return merged.to(q.dtype)
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """``[..., H, q, D]`` x ``[..., KVH, L, D]``; ``mask`` True = attend, None = causal."""
-    gqa = q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-    )

@@ -19,15 +19,11 @@ import torch
 from torch import nn
 
 from common.config import AttentionBackend
-from worker.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    decode_attention_torch,
-    prefill_attention_torch,
-)
-from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, Packing
+from worker.attention import AttentionMetadata, PrefillChunk
 from worker.native import NativeKernels, load_native_kernels, try_load_native_kernels
+from worker.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, Packing
 from worker.structured import apply_bitmask_torch
+from worker.torch_attention import decode_attention_torch, prefill_attention_torch
 
 logger = logging.getLogger(__name__)
 

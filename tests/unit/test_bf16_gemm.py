@@ -13,9 +13,9 @@ from torch import nn
 from tests.avx2_build import assert_passes_on_the_avx2_build
 from tests.cpu import cpu_has
 from tests.unit.bf16_matmul import reference, within_one_rounding
-from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear
 from worker.native import kernel_arch, load_native_kernels
 from worker.ops import NativeOps, TorchOps
+from worker.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear
 
 kernels = load_native_kernels()
 # Below AVX2 and FMA (the CPU, or an x86-64-v2 kernel build) there is no product to check;

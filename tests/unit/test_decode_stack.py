@@ -21,9 +21,9 @@ from worker.attention import AttentionMetadata
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear, Packing
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
+from worker.packed_linear import BF16_GEMM_CODE, ONEDNN, Gemv, PackedLinear, Packing
 
 BLOCK = 4
 FUSED = ["llama", "llama-gqa3", "llama-mqa", "llama3-rope", "qwen2"]  # qwen2: q/k/v biases

@@ -20,10 +20,10 @@ from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLayer, DecoderLM
 from worker.models.int8_linear import Int8Linear
 from worker.models.loader import load_model
-from worker.models.packed_linear import PackedLinear
 from worker.models.quantizers import Int8PerChannel
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
+from worker.packed_linear import PackedLinear
 
 
 def int8_model(family: str, tmp_path: Path) -> DecoderLM:

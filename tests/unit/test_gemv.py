@@ -15,9 +15,9 @@ from torch import nn
 
 from tests.cpu import cpu_has, needs_onednn_bf16
 from tests.unit.bf16_matmul import reference, within_one_rounding
-from worker.models.packed_linear import Gemv, PackedLinear
 from worker.native import kernel_arch, load_native_kernels
 from worker.ops import NativeOps, TorchOps
+from worker.packed_linear import Gemv, PackedLinear
 
 
 def test_built_exactly_where_the_cpu_has_avx512_bf16() -> None:

@@ -11,9 +11,9 @@ from tests.unit.smaps import mapping_of, thp_available
 from worker.huge_pages import HUGE_PAGE, MIN_BYTES, move_to_huge_pages
 from worker.models.decoder import DecoderLM
 from worker.models.loader import load_model
-from worker.models.packed_linear import PackedLinear
 from worker.native import load_native_kernels
 from worker.ops import NativeOps
+from worker.packed_linear import PackedLinear
 
 
 def test_tensors_move_in_place_into_one_aligned_mapping() -> None:

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.avx2_build import assert_passes_on_the_avx2_build
-from worker.attention import build_metadata, paged_attention
+from worker.attention import build_metadata
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, TorchOps
+from worker.paged_attention import paged_attention
 
 BLOCK = 16
 

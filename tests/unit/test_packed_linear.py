@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tests.cpu import ONEDNN_BF16, needs_onednn_bf16
-from worker.models.packed_linear import PackedLinear, can_pack, pack_linears
+from worker.packed_linear import PackedLinear, can_pack, pack_linears
 
 
 def test_packs_exactly_where_onednn_computes_in_bfloat16() -> None:

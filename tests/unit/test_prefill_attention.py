@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention import build_metadata, paged_attention
+from worker.attention import build_metadata
 from worker.native import load_native_kernels
 from worker.ops import NativeOps, Ops, TorchOps
+from worker.paged_attention import paged_attention
 
 BLOCK = 16
 

@@ -35,10 +35,10 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.models.decoder import DecoderArgs, DecoderLayer, DecoderLM
 from worker.models.int8_linear import Int8Linear
-from worker.models.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 from worker.models.quant_linear import FUSED_MAX_ROWS, QuantLinear
 from worker.native import DecodeRowsPlan
 from worker.ops import NATIVE_ACTIVATIONS, NativeOps, Ops
+from worker.packed_linear import BF16_GEMM_CODE, ONEDNN_CODE, PackedLinear
 
 
 class DecodeStack:

@@ -11,10 +11,11 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention
+from worker.attention import AttentionMetadata
 from worker.models.base import CausalLM
 from worker.models.layers import GatedMLP, RMSNorm, RopeSpec, RotaryEmbedding, fuse_linears
 from worker.ops import Ops
+from worker.paged_attention import paged_attention
 from worker.parallel import TensorParallel
 
 

@@ -19,11 +19,11 @@ from worker.huge_pages import move_to_huge_pages
 from worker.models.base import CausalLM
 from worker.models.decode_stack import DecodeStack
 from worker.models.decoder import DecoderLM
-from worker.models.packed_linear import ONEDNN, can_pack, pack_linears
 from worker.models.quant_linear import QuantLinear
 from worker.models.quantizers import WeightQuantizer
 from worker.models.registry import model_class_for
 from worker.ops import Ops, TorchOps
+from worker.packed_linear import ONEDNN, can_pack, pack_linears
 from worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
