@@ -119,7 +119,8 @@ class EngineCore:
     # ------------------------------------------------------------------ inputs
 
     def add_request(self, message: EngineRequest) -> ClientOutputs:
-        """Queue a request in the pool that should prefill it; an output only if refused."""
+        """Queue a request in the pool that should prefill it; an output only if refused.
+        The outputs' traces are ended here (``spans.finished``): send them as they are."""
         assert self.model is not None and self.topology is not None, "start() first"
         invalid = request_error(message, self.model)
         if invalid is None and message.lora is not None and not self.config.model.enable_lora:
@@ -140,7 +141,6 @@ class EngineCore:
             )
             return {message.client_id: [refusal]}
         request = Request.from_engine_request(message)
-        self.spans.arrived(request, message.trace_headers)
         misplaced = role_refusal(self.remote.role, request)
         if misplaced is not None:
             why, param = misplaced
@@ -153,10 +153,16 @@ class EngineCore:
                 error_param=param,
             )
             return {message.client_id: [refusal]}
+        # Traced from here: the refusals above are of requests the engine never took (one
+        # reusing a running request's id must not end that request's trace).
+        self.spans.arrived(request, message.trace_headers)
         if request.remote_prefill:
-            return self.remote.add(request)
-        error = self.topology.placement.place(request).add_request(request)
-        return {} if error is None else {message.client_id: [error]}
+            out = self.remote.add(request)
+        else:
+            error = self.topology.placement.place(request).add_request(request)
+            out = {} if error is None else {message.client_id: [error]}
+        self.spans.finished(out)  # a request refused by its pool ends its trace here
+        return out
 
     def deliver(self, peer: bytes, message: PeerMessage) -> ClientOutputs:
         """A message from another instance's engine (a fleet's prefill/decode split)."""

@@ -256,17 +256,17 @@ class EngineCoreProc:
                 "the engine is shutting down; retry on another replica",
                 ErrorKind.OVERLOADED,
             )
-            self._emit({message.client_id: [refusal]})
+            self._send({message.client_id: [refusal]})
             return
-        refusal_outputs = self.core.add_request(message)
+        refusal_outputs = self.core.add_request(message)  # their traces ended there
         if refusal_outputs:
-            self._emit(refusal_outputs)
+            self._send(refusal_outputs)
 
     def _emit(self, outputs: ClientOutputs) -> None:
-        try:  # every request's last output passes here; spans must never stop the engine
-            self.core.spans.finished(outputs)
-        except Exception:
-            logger.exception("tracing: no spans for these requests")
+        self.core.spans.finished(outputs)  # every request's last output passes here
+        self._send(outputs)
+
+    def _send(self, outputs: ClientOutputs) -> None:
         stats = self._publish()
         for client_id, request_outputs in outputs.items():
             self._outputs.put((client_id, EngineOutputs(request_outputs, stats)))

@@ -21,6 +21,7 @@ chunk per step to a traced request while it prefills, and does nothing once it d
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from common.messages import FinishReason, PoolRole, RequestOutput, SchedulerOutp
 from common.tracing import Tracing, parent_context
 from engine_core.request import KVPullRecord, Request
 from engine_core.scheduler import ClientOutputs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -142,9 +145,13 @@ class RequestSpans(NoRequestSpans):
                 if out.finish_reason is None:
                     continue
                 traced = self._live.pop(out.request_id, None)
-                if traced is not None:
-                    self._prefilling.pop(out.request_id, None)
+                if traced is None:
+                    continue
+                self._prefilling.pop(out.request_id, None)
+                try:  # a tracing fault costs this request's spans, never the engine
                     self._emit(traced, out, self._clock())
+                except Exception:
+                    logger.exception("[%s] tracing: no spans for it", out.request_id)
 
     # ------------------------------------------------------------------ spans
 

@@ -11,10 +11,10 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from common.config import CacheConfig, SchedulerConfig, TandemConfig
-from common.messages import EngineRequest, PoolRole, RequestOutput, SamplingParams
+from common.messages import EngineRequest, FinishReason, PoolRole, RequestOutput, SamplingParams
 from common.pool_config import DisaggConfig
 from common.tracing import NoTracing
 from engine_core.core import EngineCore
@@ -177,3 +177,34 @@ def test_an_aborted_request_ends_its_trace_with_what_it_lived() -> None:
 
 def test_tracing_off_is_the_null_object() -> None:
     assert type(request_spans(NoTracing(), "tiny")) is NoRequestSpans
+
+
+def test_a_request_reusing_a_running_ones_id_leaves_that_ones_trace_alone() -> None:
+    core, exporter, clock = make(split=False)
+    core.add_request(request("a"))
+    clock.now += STEP_S
+    core.step()
+    refused = core.add_request(request("a"))  # sent back as is: the engine never took it
+    assert [o.finish_reason for o in refused[b"client"]] == [FinishReason.ERROR]
+    assert exporter.get_finished_spans() == ()
+    for _ in range(200):
+        clock.now += STEP_S
+        result = core.step()
+        core.spans.finished(result.outputs)
+        if any(o.finish_reason is not None for o in result.outputs.get(b"client", [])):
+            break
+    named = by_name(exporter.get_finished_spans())
+    (root,) = named["llm_request"]
+    assert (root.attributes or {})["gen_ai.usage.output_tokens"] == 5  # it lived to the end
+    assert "decode_steps" in named
+
+
+def test_a_traced_request_its_pool_refuses_ends_its_trace_there() -> None:
+    core, exporter, _ = make(split=False)
+    too_long = request("long")
+    too_long.prompt_token_ids = list(range(1, 200))  # past the 16 blocks of 4 tokens
+    refused = core.add_request(too_long)
+    assert [o.finish_reason for o in refused[b"client"]] == [FinishReason.ERROR]
+    (root,) = by_name(exporter.get_finished_spans())["llm_request"]
+    assert root.status.status_code == StatusCode.ERROR
+    assert isinstance(core.spans, RequestSpans) and not core.spans._live
