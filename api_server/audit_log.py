@@ -18,6 +18,7 @@ or rotated twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -161,22 +162,33 @@ class AuditLog:
         self._dropped = dropped
         self._queue: queue.Queue[AuditEntry | None] = queue.Queue(max_queued)  # None: stop
         self._warned = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="audit-log", daemon=True)
         self._thread.start()
 
     def write(self, entry: AuditEntry) -> None:
-        """Queue ``entry``'s line; dropped and counted when the queue is full."""
+        """Queue ``entry``'s line; dropped and counted when the queue is full, or once the
+        log is closed (a request ending during shutdown)."""
+        if self._closed:
+            self._dropped.inc()
+            return
         try:
             self._queue.put_nowait(entry)
         except queue.Full:
             self._dropped.inc()
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        try:
+        self._closed = True
+        with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=timeout_s)
-        except queue.Full:  # a sink stuck for good: what is queued is lost
-            logger.warning("audit log: the sink did not drain; queued lines are lost")
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # a sink stuck for good: the queued lines are lost
+            lost = 0
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    lost += self._queue.get_nowait() is not None
+            logger.warning("audit log: the sink did not drain; %d queued lines are lost", lost)
+            self._dropped.inc(lost)
         self._sink.close()
 
     def _run(self) -> None:

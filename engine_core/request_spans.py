@@ -108,9 +108,10 @@ class RequestSpans(NoRequestSpans):
         if not self._prefilling:
             return
         now = self._clock()
-        for request_id, traced in list(self._prefilling.items()):
-            n = step.num_scheduled_tokens.get(request_id)
-            if n is None:
+        # The step's requests (at most max_num_seqs), not every traced one waiting.
+        for request_id, n in step.num_scheduled_tokens.items():
+            traced = self._prefilling.get(request_id)
+            if traced is None:
                 continue
             request = traced.request
             n -= len(step.draft_token_ids.get(request_id, ()))

@@ -159,6 +159,21 @@ def test_a_failed_write_is_counted_as_dropped() -> None:
     assert (written.value, dropped.value) == (0, 2)
 
 
+def test_every_line_is_written_or_counted_dropped_across_close() -> None:
+    # A sink stuck for good: close gives up on the queued lines and counts them.
+    sink = Lines(threading.Event())
+    written, dropped = Tally(), Tally()
+    log = AuditLog(sink, raw=False, written=written, dropped=dropped, max_queued=3)
+    log.write(entry(request_id="held"))
+    time.sleep(0.2)  # the writer takes it, and waits in the sink for good
+    for i in range(3):  # the queue full
+        log.write(entry(request_id=f"r{i}"))
+    log.close(timeout_s=0.2)
+    log.write(entry(request_id="late"))  # a request ending after the log closed
+    # The three queued and the late one; the line the sink holds is neither yet.
+    assert (written.value, dropped.value) == (0, 4)
+
+
 def test_writers_sharing_a_file_leave_whole_lines(tmp_path: Path) -> None:
     """Two logs on one path (as two API-server processes): every line whole. Long lines
     (raw text of 64 KiB) are where a buffered writer would tear them."""
