@@ -8,6 +8,8 @@ tests/parity/test_real_models_http.py's (slow)."""
 from __future__ import annotations
 
 import asyncio
+import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +74,13 @@ async def greedy(client: httpx.AsyncClient, model: str, ids: list[int]) -> dict[
 
 
 def test_models_max_1_swaps_the_models_and_every_request_completes_with_their_tokens(
-    checkpoints: list[Path],
+    checkpoints: list[Path], tmp_path: Path
 ) -> None:
     names = [c.name for c in checkpoints]
+    audit_log = tmp_path / "audit.jsonl"  # the router's lines and each service's, one file
     flags = [a for c in checkpoints for a in ("--model", str(c))]
     flags += ["--models-max", "1", "--dtype", "float32", "--api-key", "k1"]
+    flags += ["--audit-log", str(audit_log)]
     with TandemStack(*flags) as stack:
         models = httpx.get(f"{stack.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
         assert [(m["id"], m["status"]["value"]) for m in models] == [
@@ -110,6 +114,19 @@ def test_models_max_1_swaps_the_models_and_every_request_completes_with_their_to
         assert metric(stack.url, "tandem:model_loaded") == 1.0
         # SIGTERM drains the router and each model's service; nothing is left behind
         assert stack.stop() == 0
+    # One audit line per request: the router's for those it refused itself, the serving
+    # model's service's for those it passed on (never both).
+    lines = [json.loads(line) for line in audit_log.read_text().splitlines()]
+    assert Counter((line["route"], line["status"]) for line in lines) == {
+        ("/v1/completions", 404): 1,
+        ("/v1/messages", 404): 1,
+        ("/v1/completions", 401): 1,
+        ("/v1/completions", 400): 2,
+        ("/v1/completions", 200): len(jobs),
+    }
+    served = Counter(line["model"] for line in lines if line["status"] == 200)
+    assert served == Counter(names[m] for m, _ in jobs)
+    assert len({line["request_id"] for line in lines if line["status"] == 200}) == len(jobs)
 
 
 def _series(text: str, name: str, model: str) -> float:
