@@ -189,7 +189,15 @@ class AuditLog:
                     lost += self._queue.get_nowait() is not None
             logger.warning("audit log: the sink did not drain; %d queued lines are lost", lost)
             self._dropped.inc(lost)
+            self._queue.put_nowait(None)  # the writer ends if the sink ever lets it go
         self._sink.close()
+
+    @property
+    def writer_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join_writer(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while (entry := self._queue.get()) is not None:
