@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+# A thread or a logging handler that outlives the tests can keep the interpreter from
+# exiting (a handler stuck in emit once held logging's lock at shutdown: the run printed
+# its summary and CI waited out its whole limit). Past this many seconds after the run,
+# every thread's stack goes to stderr and the process exits with 1.
+EXIT_DEADLINE_S = float(os.environ.get("TANDEM_TEST_EXIT_DEADLINE_S", "120"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # The real stderr's descriptor: pytest's capture may stand in for sys.stderr.
+    faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True, file=sys.__stderr__ or 2)
 
 
 @pytest.fixture(scope="session")
