@@ -243,8 +243,7 @@ class KVPulls:
         self.kv.rename(pull.owner, request.request_id)  # the blocks are the request's now
         self.kv.record_lookup(request.num_prompt_tokens, num_tokens)
         request.num_computed_tokens = request.num_cached_tokens = num_tokens
-        self._record(pull, "done")
-        self.stats.ended("done", self._clock() - pull.started, pull.num_bytes)
+        self.stats.ended("done", self._record(pull, "done"), pull.num_bytes)
         self.scheduler.accept(request)
         return {}
 
@@ -272,10 +271,11 @@ class KVPulls:
             self.kv.free(pull.owner)
             self.side.orders.cancels.append(pull.transfer_id)
 
-    def _record(self, pull: Pull, outcome: str) -> None:
-        """Note on the request how its pull ended (its trace's ``kv_handoff`` span)."""
+    def _record(self, pull: Pull, outcome: str) -> float:
+        """Note on the request how its pull ended (its trace's ``kv_handoff`` span);
+        returns how long it took."""
         params = pull.request.kv_transfer
-        pull.request.kv_pull = KVPullRecord(
+        record = KVPullRecord(
             pull.started,
             self._clock(),
             outcome,
@@ -283,14 +283,15 @@ class KVPulls:
             pull.num_bytes,
             (params.remote_engine_id if params else None) or "",
         )
+        pull.request.kv_pull = record
+        return record.ended - record.started
 
     def _failed(self, pull: Pull, outcome: str, why: str, release: bool) -> ClientOutputs:
         self._end(pull, cancel=True)
         request = pull.request
         if release:
             self._release(request)
-        self._record(pull, outcome)
-        self.stats.ended(outcome, self._clock() - pull.started)
+        self.stats.ended(outcome, self._record(pull, outcome))
         logger.warning("[%s] KV pull %s: %s", request.request_id, outcome, why)
         if self.policy == "recompute":
             return self._queue(request)

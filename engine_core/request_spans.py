@@ -207,15 +207,8 @@ class RequestSpans(NoRequestSpans):
             "tandem.kv.num_bytes": pulled.num_bytes,
             "tandem.kv.source_engine_id": pulled.source_engine_id,
         }
-        span = self._tracer.start_span(
-            "kv_handoff",
-            context=context,
-            start_time=self._ns(pulled.started),
-            attributes=attributes,
-        )
-        if pulled.outcome != "done":
-            span.set_status(Status(StatusCode.ERROR, f"the KV pull {pulled.outcome}"))
-        span.end(end_time=self._ns(max(pulled.started, pulled.ended)))
+        error = None if pulled.outcome == "done" else f"the KV pull {pulled.outcome}"
+        self._span("kv_handoff", context, pulled.started, pulled.ended, attributes, error)
 
     def _span(
         self,
@@ -224,10 +217,13 @@ class RequestSpans(NoRequestSpans):
         start: float,
         end: float,
         attributes: dict[str, Any] | None = None,
+        error: str | None = None,
     ) -> None:
         span = self._tracer.start_span(
             name, context=context, start_time=self._ns(start), attributes=attributes
         )
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=self._ns(max(start, end)))
 
     def _attributes(
